@@ -1,0 +1,1 @@
+"""The `moembed` command line: one module per job, each registering its subcommands on the app."""

@@ -1,0 +1,43 @@
+"""Entry point of the `moembed` command. Each module in COMMANDS defines `register(app)`."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+import typer
+
+from moembed.errors import MoembedError
+
+# One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
+COMMANDS = ["encode", "models"]
+
+app = typer.Typer(
+    name="moembed",
+    help="Train, evaluate and use text-embedding models with sparse Mixture-of-Experts encoders.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+for _name in COMMANDS:
+    importlib.import_module(f"moembed.cli.{_name}").register(app)
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.INFO, format="moembed: %(message)s", stream=sys.stderr)
+    try:
+        app()
+    except MoembedError as e:
+        print(f"moembed: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("moembed: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Losses as pure functions of tensors: contrastive (InfoNCE, Matryoshka), GradCache, MoE auxiliary losses."""

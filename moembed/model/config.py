@@ -1,0 +1,148 @@
+"""Typed, validated encoder configuration.
+
+One `EncoderConfig` covers the two encoder families:
+- BERT-style: learned absolute positions, token types, GELU MLP, post-LayerNorm (loads existing BERT checkpoints).
+- Nomic-style (nomic-embed-v1 §4.1.2): rotary positions, SwiGLU MLP, no dropout, vocabulary padded to a
+  multiple of 64, Dynamic NTK RoPE scaling at inference (Eq. 5).
+An optional `MoEConfig` turns chosen layers' MLPs into sparse Mixture-of-Experts blocks (nomic-embed-v2 §3.2).
+Configs are validated on construction; errors name the key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MoEConfig(_Strict):
+    """Which layers are sparse MoE and how they route (nomic-embed-v2 §3.2: 8 experts, top-2, every second layer)."""
+
+    num_experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    # Layers are chosen by `every`/`offset` (layer i is MoE when i % every == offset; default: the 2nd, 4th, ...)
+    # unless `layers` lists them explicitly (0-based).
+    every: int = Field(2, ge=1)
+    offset: int = Field(1, ge=0)
+    layers: list[int] | None = None
+    renormalize: bool = True  # renormalise the top-k gate weights to sum to 1
+    capacity_factor: float | None = Field(None, gt=0)  # None: dropless
+    router_jitter: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.offset >= self.every:
+            raise ValueError(f"offset ({self.offset}) must be smaller than every ({self.every})")
+        return self
+
+    def layer_indices(self, num_layers: int) -> list[int]:
+        if self.layers is not None:
+            bad = [i for i in self.layers if not 0 <= i < num_layers]
+            if bad:
+                raise ValueError(f"moe.layers: {bad} out of range for {num_layers} layers")
+            return sorted(set(self.layers))
+        return [i for i in range(num_layers) if i % self.every == self.offset]
+
+
+class EncoderConfig(_Strict):
+    """A bidirectional transformer encoder."""
+
+    family: Literal["bert", "nomic"] = "bert"
+    vocab_size: int = Field(30522, ge=1)
+    hidden_size: int = Field(384, ge=1)
+    num_layers: int = Field(6, ge=1)
+    num_heads: int = Field(12, ge=1)
+    intermediate_size: int = Field(1536, ge=1)
+    max_position: int = Field(512, ge=1)  # trained context length (absolute table size for BERT-style)
+    type_vocab_size: int = Field(2, ge=0)
+    pad_token_id: int = Field(0, ge=0)
+
+    position: Literal["absolute", "rotary"] = "absolute"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = True  # biases on the linear layers (Nomic-style models drop them)
+    layer_norm_eps: float = Field(1e-12, gt=0)
+    hidden_dropout: float = Field(0.1, ge=0, lt=1)
+    attention_dropout: float = Field(0.1, ge=0, lt=1)
+
+    rope_base: float = Field(10_000.0, gt=0)
+    ntk_alpha: float = Field(2.0, ge=1)  # Dynamic NTK α (nomic-embed-v1 Eq. 5); applied beyond max_position
+    dynamic_ntk: bool = True
+
+    moe: MoEConfig | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "EncoderConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.position == "rotary" and (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("rotary positions need an even head dimension")
+        if self.pad_token_id >= self.vocab_size:
+            raise ValueError(f"pad_token_id ({self.pad_token_id}) must be < vocab_size ({self.vocab_size})")
+        if self.moe is not None:
+            self.moe.layer_indices(self.num_layers)
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def moe_layers(self) -> list[int]:
+        return [] if self.moe is None else self.moe.layer_indices(self.num_layers)
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    """Vocabulary size rounded up to a multiple (nomic-embed-v1 §4.1.2 pads to 64 for fast matmuls)."""
+    return -(-n // multiple) * multiple
+
+
+# ---- named presets -------------------------------------------------------------------------------------------
+
+
+def bert_config(**overrides) -> EncoderConfig:
+    """BERT-style encoder (defaults: all-MiniLM-L6-v2's shape)."""
+    return EncoderConfig(family="bert", position="absolute", mlp="gelu", **overrides)
+
+
+def nomic_config(**overrides) -> EncoderConfig:
+    """Nomic-style encoder: rotary, SwiGLU, no dropout, no biases, padded vocabulary (nomic-embed-v1 §4.1.2)."""
+    base = dict(
+        family="nomic", position="rotary", mlp="swiglu", bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        layer_norm_eps=1e-12, type_vocab_size=2, vocab_size=pad_vocab(30522), hidden_size=768, num_layers=12,
+        num_heads=12, intermediate_size=3072, max_position=2048,
+    )
+    base.update(overrides)
+    if "vocab_size" in overrides:
+        base["vocab_size"] = pad_vocab(overrides["vocab_size"])
+    return EncoderConfig(**base)
+
+
+def minilm_l6() -> EncoderConfig:
+    return bert_config()
+
+
+def minilm_moe(num_experts: int = 8, top_k: int = 2) -> EncoderConfig:
+    """all-MiniLM-L6-v2 with every second MLP as an MoE block (layers 2, 4, 6)."""
+    return bert_config(moe=MoEConfig(num_experts=num_experts, top_k=top_k))
+
+
+def nomic_v1_base() -> EncoderConfig:
+    """nomic-bert-2048: 137M parameters, 2048 trained context (nomic-embed-v1 §4.1.2)."""
+    return nomic_config()
+
+
+def nomic_v2_moe_base() -> EncoderConfig:
+    """Nomic Embed v2 MoE: 12 layers, 768 wide, 8 experts top-2 on every second layer (nomic-embed-v2 §3.2)."""
+    return nomic_config(vocab_size=250_048, max_position=512, moe=MoEConfig(num_experts=8, top_k=2))
+
+
+def tiny_config(family: Literal["bert", "nomic"] = "bert", **overrides) -> EncoderConfig:
+    """A tiny random config for unit tests."""
+    base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position=64)
+    base.update(overrides)
+    return bert_config(**base) if family == "bert" else nomic_config(**base)

