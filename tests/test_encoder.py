@@ -1,0 +1,134 @@
+"""Encoder: parity with transformers' BertModel on real weights, RoPE / Dynamic NTK, padding invariance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moembed.model.config import EncoderConfig, MoEConfig, nomic_config, pad_vocab, tiny_config
+from moembed.model.encoder import Encoder
+from moembed.model.rope import apply_rope, ntk_base, rope_cos_sin
+
+TEXTS = [
+    "The Senate confirmed the nominee after a tie-breaking vote.",
+    "Sparse mixture-of-experts layers route each token to two of eight experts.",
+    "",
+    "a",
+]
+
+
+@pytest.mark.real
+def test_bert_parity_with_transformers(minilm_path, minilm):
+    from transformers import AutoTokenizer, BertModel
+
+    ref = BertModel.from_pretrained(str(minilm_path), attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(str(minilm_path))
+    b = tok(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = ref(**b).last_hidden_state
+        got = minilm.encoder(b["input_ids"], b["attention_mask"], b["token_type_ids"]).last_hidden_state
+    mask = b["attention_mask"].bool()
+    assert (want[mask] - got[mask]).abs().max().item() < 1e-5
+    assert got[~mask].abs().max().item() == 0.0  # padding positions are zeros, never computed
+
+
+def _reference_rope(x: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate-half RoPE written from the definition: channel j pairs with j + D/2, angle t · base^(-2j/D)."""
+    B, H, T, D = x.shape
+    out = torch.empty_like(x)
+    for t in range(T):
+        for j in range(D // 2):
+            theta = t * base ** (-2 * j / D)
+            c, s = math.cos(theta), math.sin(theta)
+            a, b = x[..., t, j], x[..., t, j + D // 2]
+            out[..., t, j] = a * c - b * s
+            out[..., t, j + D // 2] = a * s + b * c
+    return out
+
+
+def test_rope_matches_definition():
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 7, 8, dtype=torch.float64)
+    cos, sin = rope_cos_sin(7, 8, 10_000.0, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, cos, sin), _reference_rope(x, 10_000.0))
+
+
+def test_rope_relative_position_property():
+    # <R_m q, R_n k> depends only on m - n: the reason rotary positions generalise.
+    torch.manual_seed(0)
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    cos, sin = rope_cos_sin(20, 8, 10_000.0, dtype=torch.float64)
+    rot = lambda v, t: apply_rope(v.view(1, 1, 1, 8), cos[t : t + 1], sin[t : t + 1]).flatten()  # noqa: E731
+    assert torch.allclose(rot(q, 3) @ rot(k, 1), rot(q, 12) @ rot(k, 10))
+
+
+def test_dynamic_ntk_formula():
+    # nomic-embed-v1 Eq. 5: b' = b * ((α s) − (α − 1))^(D / (D − 2)), s = l / L; unchanged for l <= L.
+    assert ntk_base(10_000.0, 64, 2048, 2048, 2.0) == 10_000.0
+    assert ntk_base(10_000.0, 64, 100, 2048, 2.0) == 10_000.0
+    s = 8192 / 2048
+    assert ntk_base(10_000.0, 64, 8192, 2048, 2.0) == pytest.approx(10_000.0 * (2 * s - 1) ** (64 / 62))
+
+
+def test_dynamic_ntk_applies_only_at_inference_beyond_trained_length():
+    cfg = tiny_config("nomic", max_position=8)
+    enc = Encoder(cfg)
+    enc.eval()
+    cos_short, _ = enc.rotary_tables(8, None, torch.float32)
+    cos_long, _ = enc.rotary_tables(16, None, torch.float32)
+    want_long, _ = rope_cos_sin(16, cfg.head_dim, ntk_base(cfg.rope_base, cfg.head_dim, 16, 8, cfg.ntk_alpha))
+    torch.testing.assert_close(cos_short, rope_cos_sin(8, cfg.head_dim, cfg.rope_base)[0])
+    torch.testing.assert_close(cos_long, want_long)
+    enc.train()  # training never rescales
+    torch.testing.assert_close(enc.rotary_tables(16, None, torch.float32)[0], rope_cos_sin(16, cfg.head_dim, cfg.rope_base)[0])
+    enc.eval()
+    ids = torch.randint(1, cfg.vocab_size, (2, 16))
+    assert enc(ids).last_hidden_state.shape == (2, 16, cfg.hidden_size)  # longer than trained: still runs
+
+
+@pytest.mark.parametrize("family", ["bert", "nomic"])
+def test_padding_does_not_change_outputs(family):
+    torch.manual_seed(0)
+    cfg = tiny_config(family)
+    enc = Encoder(cfg).eval()
+    ids = torch.randint(1, cfg.vocab_size, (1, 5))
+    alone = enc(ids).last_hidden_state[0]
+    padded = torch.cat([ids, torch.zeros(1, 6, dtype=torch.long)], 1)
+    other = torch.randint(1, cfg.vocab_size, (1, 11))
+    batch = torch.cat([padded, other])
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[0, 5:] = False
+    together = enc(batch, mask).last_hidden_state[0, :5]
+    torch.testing.assert_close(alone, together, atol=1e-5, rtol=1e-5)
+
+
+def test_nomic_family_shape_and_backward():
+    cfg = nomic_config(vocab_size=1000, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, max_position=16)
+    assert cfg.vocab_size == pad_vocab(1000) == 1024  # padded to a multiple of 64
+    assert (cfg.position, cfg.mlp, cfg.bias, cfg.hidden_dropout) == ("rotary", "swiglu", False, 0.0)
+    enc = Encoder(cfg)
+    assert enc.embeddings.position is None
+    assert enc.layers[0].mlp.fc1.weight.shape == (2 * 48, 32)
+    out = enc(torch.randint(0, 1000, (2, 6)), torch.tensor([[1] * 6, [1] * 3 + [0] * 3]))
+    out.packed_hidden.sum().backward()
+    assert all(p.grad is not None for n, p in enc.named_parameters() if "token_type" not in n)
+
+
+def test_config_errors_name_the_key():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="hidden_size"):
+        EncoderConfig(hidden_size=30, num_heads=4)
+    with pytest.raises(ValidationError, match="no_such_key"):
+        EncoderConfig(no_such_key=1)
+    with pytest.raises(ValidationError, match="top_k"):
+        MoEConfig(num_experts=2, top_k=3)
+    assert MoEConfig().layer_indices(6) == [1, 3, 5]  # every second layer from the second (Nomic v2)
+
+
+def test_absolute_positions_refuse_overlong_input():
+    enc = Encoder(tiny_config("bert", max_position=8))
+    with pytest.raises(ValueError, match="max_position"):
+        enc(torch.ones(1, 9, dtype=torch.long))

@@ -1,0 +1,108 @@
+"""Model directories: moembed round trip, sentence-transformers export, broken directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from moembed.errors import MoembedError
+from moembed.model.embedder import Embedder
+from moembed.model.io import export_sentence_transformers
+
+TEXTS = ["a first sentence", "another, somewhat longer, sentence about routing", ""]
+
+
+@pytest.mark.parametrize("family", ["bert", "nomic"])
+def test_save_load_round_trip(make_tiny, tmp_path, family):
+    emb = make_tiny(family)
+    emb.calibrate(TEXTS)
+    emb.save(tmp_path / "m")
+    back = Embedder.load(tmp_path / "m")
+    assert back.config == emb.config and back.prompts == emb.prompts and back.pooling == emb.pooling
+    np.testing.assert_array_equal(back.encode(TEXTS), emb.encode(TEXTS))
+    np.testing.assert_array_equal(back.encode(TEXTS, precision="int8"), emb.encode(TEXTS, precision="int8"))
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["format"] == "moembed"
+
+
+@pytest.mark.real
+def test_export_sentence_transformers_same_embeddings(minilm, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    export_sentence_transformers(minilm, tmp_path / "st")
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    a, b = st.encode(TEXTS), minilm.encode(TEXTS)
+    assert (a * b).sum(1).min() >= 0.99999
+    again = Embedder.load(tmp_path / "st")  # and it loads back through the sentence-transformers reader
+    np.testing.assert_allclose(again.encode(TEXTS), b, atol=1e-6)
+
+
+def test_export_tiny_bert_round_trip(make_tiny, tmp_path):
+    emb = make_tiny("bert")
+    export_sentence_transformers(emb, tmp_path / "st")
+    np.testing.assert_allclose(Embedder.load(tmp_path / "st").encode(TEXTS), emb.encode(TEXTS), atol=1e-6)
+
+
+@pytest.fixture
+def saved(make_tiny, tmp_path):
+    make_tiny().save(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_missing_weights(saved):
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(MoembedError, match="no model.safetensors"):
+        Embedder.load(saved)
+
+
+def test_corrupt_weights(saved):
+    (saved / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(MoembedError, match="model.safetensors: cannot read weights"):
+        Embedder.load(saved)
+
+
+def test_corrupt_config(saved):
+    (saved / "config.json").write_text("{not json")
+    with pytest.raises(MoembedError, match="config.json: not valid JSON"):
+        Embedder.load(saved)
+
+
+def test_config_with_bad_key(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["encoder"]["num_heads"] = "many"
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MoembedError, match="encoder.num_heads"):
+        Embedder.load(saved)
+
+
+def test_missing_tokenizer(saved):
+    (saved / "tokenizer.json").unlink()
+    (saved / "vocab.txt").unlink(missing_ok=True)
+    with pytest.raises(MoembedError, match="no tokenizer.json or vocab.txt"):
+        Embedder.load(saved)
+
+
+def test_weights_that_do_not_match_the_config(make_tiny, saved):
+    shutil.copy(saved / "model.safetensors", saved.parent / "w")
+    make_tiny(hidden_size=64, num_heads=4).save(saved)
+    shutil.copy(saved.parent / "w", saved / "model.safetensors")
+    with pytest.raises(MoembedError, match="has shape"):
+        Embedder.load(saved)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(MoembedError, match="not a model directory"):
+        Embedder.load(tmp_path / "nothing")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mpnet"}))
+    with pytest.raises(MoembedError, match="'mpnet' is not supported"):
+        Embedder.load(tmp_path)
+
+
+def test_moe_or_rotary_models_are_not_exported_as_bert(make_tiny, tmp_path):
+    with pytest.raises(MoembedError, match="position=rotary"):
+        export_sentence_transformers(make_tiny("nomic"), tmp_path / "st")
