@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moembed.model.config import EncoderConfig
+from moembed.model.linear import Linear
 from moembed.model.rope import apply_rope, ntk_base, rope_cos_sin
 
 
@@ -38,8 +39,8 @@ class GeluMLP(nn.Module):
 
     def __init__(self, d: int, i: int, bias: bool = True):
         super().__init__()
-        self.fc1 = nn.Linear(d, i, bias=bias)
-        self.fc2 = nn.Linear(i, d, bias=bias)
+        self.fc1 = Linear(d, i, bias=bias)
+        self.fc2 = Linear(i, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -50,8 +51,8 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, d: int, i: int, bias: bool = False):
         super().__init__()
-        self.fc1 = nn.Linear(d, 2 * i, bias=bias)  # rows [:i] = up, rows [i:] = gate
-        self.fc2 = nn.Linear(i, d, bias=bias)
+        self.fc1 = Linear(d, 2 * i, bias=bias)  # rows [:i] = up, rows [i:] = gate
+        self.fc2 = Linear(i, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up, gate = self.fc1(x).chunk(2, dim=-1)
@@ -74,7 +75,12 @@ class Embeddings(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         d = config.hidden_size
-        self.word = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        if config.move is not None:  # MoVE §3.1: V_l embeddings built from V_s pieces by experts
+            from moembed.model.move import MoVEEmbedding
+
+            self.word = MoVEEmbedding(config)
+        else:
+            self.word = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
         self.position = nn.Embedding(config.max_position, d) if config.position == "absolute" else None
         self.token_type = nn.Embedding(config.type_vocab_size, d) if config.type_vocab_size else None
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
@@ -96,8 +102,8 @@ class EncoderLayer(nn.Module):
         super().__init__()
         d = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)  # fused q, k, v
-        self.out = nn.Linear(d, d, bias=config.bias)
+        self.qkv = Linear(d, 3 * d, bias=config.bias)  # fused q, k, v
+        self.out = Linear(d, d, bias=config.bias)
         self.norm1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.mlp = build_mlp(config, layer_idx)
         self.norm2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
