@@ -104,5 +104,8 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_moe_or_rotary_models_are_not_exported_as_bert(make_tiny, tmp_path):
-    with pytest.raises(MoembedError, match="position=rotary"):
-        export_sentence_transformers(make_tiny("nomic"), tmp_path / "st")
+    # Rotary/SwiGLU encoders get moembed's own sentence-transformers module (tests/test_moe.py checks encode parity).
+    export_sentence_transformers(make_tiny("nomic"), tmp_path / "st")
+    modules = json.loads((tmp_path / "st" / "modules.json").read_text())
+    assert modules[0]["type"] == "moembed.model.st_module.MoembedEncoder"
+    assert json.loads((tmp_path / "st" / "config.json").read_text())["format"] == "moembed"

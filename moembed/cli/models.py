@@ -22,7 +22,11 @@ def count_parameters(emb) -> tuple[int, int]:
     return total, total - expert + expert * moe.top_k // moe.num_experts
 
 
-def info(model: str = typer.Argument(..., help="model directory")) -> None:
+def info(
+    model: str = typer.Argument(..., help="model directory"),
+    probe: Path = typer.Option(None, "--probe", help="texts (one JSON string per line) to measure MoE expert load on"),
+    plain: bool = typer.Option(False, "--plain", help="read --probe as plain text lines"),
+) -> None:
     """Architecture, parameter counts, dimensions, prefixes and maximum length of a model."""
     from moembed.model.embedder import Embedder
 
@@ -43,9 +47,30 @@ def info(model: str = typer.Argument(..., help="model directory")) -> None:
     if c.moe is not None:
         m = c.moe
         rows.append(("MoE", f"{m.num_experts} experts, top-{m.top_k}, layers {[i + 1 for i in c.moe_layers()]}"))
+    if c.move is not None:
+        v = c.move
+        rows.append(("MoVE", f"V_s {v.base_vocab_size} -> V_l {c.vocab_size}, {v.num_experts} experts x {v.expert_dim}, {v.routing} routing"))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         typer.echo(f"{k:<{w}}  {v}")
+    if probe is not None:
+        _probe(emb, probe, plain)
+
+
+def _probe(emb, path: Path, plain: bool) -> None:
+    """Per-layer expert load and router entropy over the texts of a file."""
+    from moembed.errors import MoembedError
+    from moembed.fileio import read_texts
+    from moembed.model.utilisation import format_report, probe
+
+    if emb.config.moe is None:
+        raise MoembedError(f"--probe: {emb.name} has no MoE layers")
+    texts = read_texts(path, plain=plain)
+    if not texts:
+        raise MoembedError(f"{path}: no texts")
+    typer.echo(f"expert load over {len(texts)} texts of {path}:")
+    for line in format_report(probe(emb, texts)):
+        typer.echo(f"  {line}")
 
 
 def export(

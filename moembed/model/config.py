@@ -50,6 +50,18 @@ class MoEConfig(_Strict):
         return [i for i in range(num_layers) if i % self.every == self.offset]
 
 
+class MoVEConfig(_Strict):
+    """Mixture-of-Vocabulary-Experts embedding layer (MoVE §3.1): each token of the large routing vocabulary V_l
+    (size `EncoderConfig.vocab_size`) is built from its pieces in the base vocabulary V_s by one of K experts."""
+
+    base_vocab_size: int = Field(..., ge=1)  # |V_s|
+    num_experts: int = Field(..., ge=1)  # K
+    expert_dim: int = Field(..., ge=1)  # d_e: each expert is d → d_e → d (Fig. 2b)
+    max_pieces: int = Field(..., ge=1)  # most V_s pieces of one V_l token (width of the φ table)
+    routing: Literal["hash", "learned", "semantic"] = "hash"  # App. D: hash-balanced is the paper's choice
+    residual: bool = False  # add the expert's input to its output (off: Eq. 2 as written)
+
+
 class EncoderConfig(_Strict):
     """A bidirectional transformer encoder."""
 
@@ -75,6 +87,7 @@ class EncoderConfig(_Strict):
     dynamic_ntk: bool = True
 
     moe: MoEConfig | None = None
+    move: MoVEConfig | None = None  # when set, vocab_size is |V_l| and the embedding layer is MoVE
 
     @model_validator(mode="after")
     def _check(self) -> "EncoderConfig":
@@ -86,6 +99,10 @@ class EncoderConfig(_Strict):
             raise ValueError(f"pad_token_id ({self.pad_token_id}) must be < vocab_size ({self.vocab_size})")
         if self.moe is not None:
             self.moe.layer_indices(self.num_layers)
+        if self.move is not None and not self.pad_token_id < self.move.base_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"move.base_vocab_size ({self.move.base_vocab_size}) must be > pad_token_id and <= vocab_size ({self.vocab_size})"
+            )
         return self
 
     @property
@@ -137,8 +154,12 @@ def nomic_v1_base() -> EncoderConfig:
 
 
 def nomic_v2_moe_base() -> EncoderConfig:
-    """Nomic Embed v2 MoE: 12 layers, 768 wide, 8 experts top-2 on every second layer (nomic-embed-v2 §3.2)."""
-    return nomic_config(vocab_size=250_048, max_position=512, moe=MoEConfig(num_experts=8, top_k=2))
+    """Nomic Embed v2 MoE: mNomic-BERT (XLM-R base with rotary positions, nomic-embed-v2 §4.1), 8 experts top-2
+    on every second layer (§3.2, §4.3). XLM-R's MLPs are GELU with biases, which gives the paper's 475M total /
+    305M active parameters; a SwiGLU variant of the same shape would have 603M / 348M."""
+    return nomic_config(
+        vocab_size=250_048, max_position=2048, mlp="gelu", bias=True, moe=MoEConfig(num_experts=8, top_k=2)
+    )
 
 
 def tiny_config(family: Literal["bert", "nomic"] = "bert", **overrides) -> EncoderConfig:

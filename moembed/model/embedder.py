@@ -165,13 +165,22 @@ class Embedder(nn.Module):
         if precision == "int8" and self.calibration is None:
             raise MoembedError("precision: int8 needs calibration embeddings; call calibrate(texts) first")
         emb = self.embed_tensor(texts, self.prefix(prompt), batch_size, bf16, show_progress)
+        x = self.postprocess(emb, dim, precision, normalize)
+        return x[0] if single else x
+
+    def postprocess(self, emb: torch.Tensor, dim: int | None = None, precision: str = "float32",
+                    normalize: bool | None = None) -> np.ndarray:
+        """Pooled embeddings (n, d) from `embed_tensor` → truncated, normalised, quantised numpy output.
+
+        Lets callers that need several dims or precisions of the same texts (evaluation sweeps) encode once.
+        """
         norm = self.normalize if normalize is None else normalize
         x = truncate(emb, dim, norm).numpy()
         if precision == "int8":
-            x = quantize_int8(x, self.int8_ranges(dim, norm))
-        elif precision == "binary":
-            x = binarize(x)
-        return x[0] if single else x
+            return quantize_int8(x, self.int8_ranges(dim, norm))
+        if precision == "binary":
+            return binarize(x)
+        return x
 
     def calibrate(self, texts: list[str], prompt: str | None = None, max_samples: int = 10_000) -> None:
         """Store a sample of embeddings from which int8 ranges are taken (arctic-embed-2 §2.5)."""

@@ -233,32 +233,45 @@ def _copy_tokenizer(emb: Embedder, out: Path) -> None:
         emb.tokenizer.save(out)
 
 
+def write_moembed_files(emb: Embedder, out: Path) -> None:
+    """Write the moembed files into an existing directory (callers make it atomic)."""
+    cfg = {
+        "format": "moembed", "version": __version__, "name": emb.name,
+        "encoder": emb.config.model_dump(mode="json"), "pooling": emb.pooling, "normalize": emb.normalize,
+        "prompts": emb.prompts, "max_length": emb.max_length,
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    sd = {k: v.detach().contiguous().cpu() for k, v in emb.encoder.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _copy_tokenizer(emb, out)
+    if emb.calibration is not None:
+        save_file({"embeddings": torch.from_numpy(emb.calibration).contiguous()}, str(out / "calibration.safetensors"))
+
+
 def save_embedder(emb: Embedder, path: str | Path) -> None:
     """Write the moembed format atomically (a temporary directory renamed into place)."""
     path = Path(path)
     with atomic_dir(path) as tmp:
-        cfg = {
-            "format": "moembed", "version": __version__, "name": emb.name,
-            "encoder": emb.config.model_dump(mode="json"), "pooling": emb.pooling, "normalize": emb.normalize,
-            "prompts": emb.prompts, "max_length": emb.max_length,
-        }
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        sd = {k: v.detach().contiguous().cpu() for k, v in emb.encoder.state_dict().items()}
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _copy_tokenizer(emb, tmp)
-        if emb.calibration is not None:
-            save_file({"embeddings": torch.from_numpy(emb.calibration).contiguous()}, str(tmp / "calibration.safetensors"))
+        write_moembed_files(emb, tmp)
     emb.source_dir = path
 
 
+ST_MODULE = "moembed.model.st_module.MoembedEncoder"
+
+
 def export_sentence_transformers(emb: Embedder, path: str | Path) -> None:
-    """Write a directory that `SentenceTransformer(path)` loads (dense BERT-style encoders)."""
+    """Write a directory that `SentenceTransformer(path)` loads.
+
+    Dense BERT-style encoders become a standard Transformer (BertModel) module. Other encoders (MoE layers,
+    rotary positions, SwiGLU) get moembed's own first module (`st_module.MoembedEncoder`, loaded with
+    `trust_remote_code=True`) over the moembed files in the directory root; Pooling/Normalize are standard.
+    """
     c = emb.config
-    if c.moe is not None or c.position != "absolute" or c.mlp != "gelu":
-        raise MoembedError(
-            "export: the sentence-transformers format holds dense BERT-style encoders only "
-            f"(this model: position={c.position}, mlp={c.mlp}, moe={'yes' if c.moe else 'no'})"
-        )
+    if c.moe is not None or c.position != "absolute" or c.mlp != "gelu" or getattr(c, "move", None) is not None:
+        with atomic_dir(Path(path)) as tmp:
+            write_moembed_files(emb, tmp)
+            _write_st_modules(emb, tmp, ST_MODULE)
+        return
     path = Path(path)
     with atomic_dir(path) as tmp:
         hf_cfg = {
@@ -275,25 +288,31 @@ def export_sentence_transformers(emb: Embedder, path: str | Path) -> None:
         _copy_tokenizer(emb, tmp)
         if not (tmp / "tokenizer_config.json").exists():
             (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", "model_max_length": emb.max_length}))
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        ]
-        if emb.normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-            (tmp / "2_Normalize").mkdir()
-        (tmp / "modules.json").write_text(json.dumps(modules, indent=2))
-        (tmp / "1_Pooling").mkdir()
-        (tmp / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": c.hidden_size,
-            "pooling_mode_cls_token": emb.pooling == "cls",
-            "pooling_mode_mean_tokens": emb.pooling == "mean",
-            "pooling_mode_max_tokens": False,
-            "pooling_mode_mean_sqrt_len_tokens": False,
-            "pooling_mode_lasttoken": emb.pooling == "last",
-        }, indent=2))
-        (tmp / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": emb.max_length, "do_lower_case": False}))
-        (tmp / "config_sentence_transformers.json").write_text(json.dumps({
-            "prompts": emb.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
-            "__version__": {"moembed": __version__},
-        }, indent=2))
+        _write_st_modules(emb, tmp, "sentence_transformers.models.Transformer")
+
+
+def _write_st_modules(emb: Embedder, tmp: Path, first_type: str) -> None:
+    """modules.json (first module in the root, then Pooling and Normalize) and the sentence-transformers configs."""
+    c = emb.config
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": first_type},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if emb.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (tmp / "2_Normalize").mkdir()
+    (tmp / "modules.json").write_text(json.dumps(modules, indent=2))
+    (tmp / "1_Pooling").mkdir()
+    (tmp / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": c.hidden_size,
+        "pooling_mode_cls_token": emb.pooling == "cls",
+        "pooling_mode_mean_tokens": emb.pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_lasttoken": emb.pooling == "last",
+    }, indent=2))
+    (tmp / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": emb.max_length, "do_lower_case": False}))
+    (tmp / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": emb.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
+        "__version__": {"moembed": __version__},
+    }, indent=2))

@@ -1,0 +1,39 @@
+"""`moembed upcycle`: turn a dense encoder into a sparse MoE encoder (Komatsuzaki et al.; nomic-embed-v2 §4.3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("upcycle")(upcycle)
+
+
+def upcycle(
+    model: str = typer.Argument(..., help="dense moembed, Hugging Face BERT or sentence-transformers directory"),
+    out: Path = typer.Option(..., "--out", help="output moembed directory"),
+    experts: int = typer.Option(8, "--experts", help="experts per MoE layer"),
+    top_k: int = typer.Option(2, "--top-k", help="experts per token (1: Switch routing)"),
+    every: int = typer.Option(2, "--every", help="make every N-th layer MoE"),
+    offset: int = typer.Option(1, "--offset", help="0-based index of the first MoE layer within each group of --every"),
+    noise: float = typer.Option(0.0, "--noise", help="Gaussian noise on expert copies, std relative to the weight's"),
+    renormalize: bool = typer.Option(True, "--renormalize/--no-renormalize", help="rescale top-k gates to sum to 1"),
+    seed: int = typer.Option(0, "--seed", help="seed of the router initialisation and noise"),
+) -> None:
+    """Copy each replaced dense MLP into all experts of its layer, with a fresh router, and save."""
+    from moembed.cli.models import count_parameters
+    from moembed.model.embedder import Embedder
+    from moembed.model.upcycle import upcycle as do_upcycle
+
+    dense = Embedder.load(model)
+    moe = do_upcycle(dense, experts, top_k, every, offset=offset, renormalize=renormalize, noise=noise, seed=seed)
+    moe.save(out)
+    total, active = count_parameters(moe)
+    layers = [i + 1 for i in moe.config.moe_layers()]
+    typer.echo(
+        f"moembed: wrote {out}: {experts} experts top-{top_k} on layers {layers}; "
+        f"{total:,} parameters, {active:,} active per token",
+        err=True,
+    )

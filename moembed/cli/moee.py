@@ -1,0 +1,65 @@
+"""`moembed moee`: training-free HS / RW / MoEE(concat) embeddings from an MoE model into a .npy array."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("moee")(moee)
+
+
+def moee(
+    model: str = typer.Argument(..., help="Hugging Face MoE causal-LM directory, or a moembed MoE encoder directory"),
+    input: Path = typer.Option(..., "--input", "-i", help="one JSON string per line (or plain lines with --plain)"),
+    output: Path = typer.Option(..., "--output", "-o", help="output .npy: one row per input line, in order"),
+    mode: str = typer.Option("concat", help="hs | rw | concat  (concat = [HS/|HS| ; RW/|RW|])"),
+    prompt: str = typer.Option(None, help="language models: a Table 2 name (none, prompteol, ...) or a template "
+                                          "with *sent*; encoders: a prefix name such as search_query"),
+    pooling: str = typer.Option(None, help="last | mean: token pooling of HS and RW (language models; default "
+                                           "last). Encoders always take the mean"),
+    hs_layers: str = typer.Option("last", help="last | all: HS from the last layer or the mean over all layers"),
+    batch_size: int = typer.Option(32, help="texts per forward pass"),
+    max_length: int = typer.Option(None, help="tokens per text (language models keep the last ones)"),
+    plain: bool = typer.Option(False, help="read plain text lines instead of JSON strings"),
+    bf16: bool = typer.Option(True, "--bf16/--no-bf16", help="bfloat16 weights (language models) or autocast (encoders)"),
+    load_in_8bit: bool = typer.Option(False, help="8-bit weights through bitsandbytes (language models)"),
+) -> None:
+    """Embed texts with the hidden state, the routing weights, or both, of an MoE model (no training)."""
+    import numpy as np
+
+    from moembed.errors import MoembedError
+    from moembed.fileio import atomic_path, read_texts
+    from moembed.moee import ExtractConfig, MoEEModel, load_source
+    from moembed.moee.combine import MODES
+    from moembed.moee.hf import is_hf_moe_dir
+
+    if mode not in MODES:
+        raise MoembedError(f"--mode: unknown {mode!r}; choose one of {', '.join(MODES)}")
+    if output.suffix != ".npy":
+        raise MoembedError(f"--output: {output} must end in .npy")
+    if pooling not in (None, "last", "mean"):
+        raise MoembedError(f"--pooling: unknown {pooling!r}; choose last or mean")
+    if hs_layers not in ("last", "all"):
+        raise MoembedError(f"--hs-layers: unknown {hs_layers!r}; choose last or all")
+    texts = read_texts(input, plain=plain)
+    if is_hf_moe_dir(model):
+        extract = ExtractConfig(rw_pooling=pooling or "last", hs_pooling=pooling or "last", hs_layers=hs_layers)
+        source = load_source(model, extract=extract, prompt=prompt, bf16=bf16, load_in_8bit=load_in_8bit,
+                             max_length=max_length)
+        prompt_name = None  # the template is the source's default
+    else:
+        if pooling == "last" or hs_layers != "last":
+            raise MoembedError("--pooling/--hs-layers: apply to language models; an encoder's HS is its pooled "
+                               "output and its RW the mean over tokens")
+        source = load_source(model, bf16=bf16, load_in_8bit=load_in_8bit, max_length=max_length)
+        if prompt is not None and prompt not in source.prompts:
+            known = ", ".join(sorted(source.prompts)) or "none"
+            raise MoembedError(f"--prompt: unknown name {prompt!r}; this model knows: {known}")
+        prompt_name = prompt
+    x = MoEEModel(source, mode).encode(texts, prompt=prompt_name, batch_size=batch_size, show_progress=True)
+    with atomic_path(output) as tmp, open(tmp, "wb") as fh:
+        np.save(fh, x)
+    typer.echo(f"moembed: wrote {x.shape[0]} x {x.shape[1]} {x.dtype} ({mode}) to {output}", err=True)

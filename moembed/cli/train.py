@@ -1,0 +1,39 @@
+"""`moembed train CONFIG.yaml [key=value ...]` and `moembed validate CONFIG.yaml [key=value ...]`."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train_cmd(
+        config: str = typer.Argument(..., help="YAML training config (see docs/training.md)"),
+        overrides: list[str] = typer.Argument(None, help="dotted key=value overrides, e.g. optim.lr=1e-4 steps=100"),
+        fresh: bool = typer.Option(False, "--fresh", help="ignore existing checkpoints instead of resuming"),
+        quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    ) -> None:
+        """Train (stages mlm | contrastive | finetune); resumes from the latest checkpoint in the run directory."""
+        from moembed.train.config import load_config
+        from moembed.train.loop import train
+
+        cfg = load_config(config, overrides or [])
+        from moembed.distributed import rank
+
+        final = train(cfg, progress=not quiet, resume=not fresh)
+        if rank() == 0:
+            typer.echo(f"model saved to {final}")
+
+    @app.command("validate")
+    def validate_cmd(
+        config: str = typer.Argument(..., help="YAML training config"),
+        overrides: list[str] = typer.Argument(None, help="dotted key=value overrides"),
+    ) -> None:
+        """Check a training config (keys, types, paths) without training; errors name the key."""
+        from moembed.train.build import check_paths
+        from moembed.train.config import load_config
+
+        cfg = load_config(config, overrides or [])
+        check_paths(cfg)
+        sources = ", ".join(s.label for s in cfg.data)
+        typer.echo(f"{config}: ok (stage {cfg.stage}, {cfg.steps} steps, batch {cfg.batch_size}, sources: {sources})")

@@ -1,0 +1,89 @@
+"""Teachers for filtering and mining: any model moembed loads, or a sentence-transformers model it cannot convert.
+
+`load_teacher(path)` tries `Embedder.load` first (moembed, Hugging Face BERT, sentence-transformers over BERT).
+A sentence-transformers directory with another architecture (e.g. all-mpnet-base-v2, MPNet) falls back to
+`SentenceTransformerTeacher`, which offers the same `encode` interface. `embed_roles` embeds queries and documents
+L2-normalised (inner product = cosine) and, under torchrun, splits the texts across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moembed import distributed
+from moembed.errors import MoembedError
+
+
+class SentenceTransformerTeacher:
+    """A `sentence_transformers.SentenceTransformer` behind moembed's `encode` interface (float32 only)."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
+            raise MoembedError(f"{path}: needs sentence-transformers; run `pip install sentence-transformers`") from None
+        self.model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+        self.name = Path(path).name
+        self.prompts = dict(self.model.prompts or {})
+        dim_fn = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = dim_fn()
+
+    def encode(self, texts, prompt=None, dim=None, precision="float32", batch_size=32, normalize=True,
+               show_progress=False, bf16=False) -> np.ndarray:
+        if precision != "float32":
+            raise MoembedError(f"precision: a sentence-transformers teacher gives float32 only, not {precision!r}")
+        prefix = self.prompts.get(prompt, "") if prompt else ""
+        x = self.model.encode([prefix + t for t in texts], batch_size=batch_size, convert_to_numpy=True,
+                              normalize_embeddings=False, show_progress_bar=show_progress)
+        x = x[:, :dim] if dim else x
+        if normalize:
+            x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+        return x.astype(np.float32)
+
+
+def load_teacher(path: str | Path):
+    """An object with `encode(texts, prompt=, batch_size=, normalize=, show_progress=, bf16=)` and `prompts`."""
+    from moembed.model.embedder import Embedder
+
+    try:
+        return Embedder.load(path)
+    except MoembedError as first:
+        modules = Path(path) / "modules.json"
+        if not modules.exists():
+            raise
+        try:
+            json.loads(modules.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            raise first from None
+        return SentenceTransformerTeacher(path)
+
+
+def _prompt(teacher, name: str) -> str | None:
+    # A missing prompt means "no prefix" (e.g. all-MiniLM-L6-v2 has none; Nomic models have search_query).
+    return name if name in (getattr(teacher, "prompts", None) or {}) else None
+
+
+def embed(teacher, texts: list[str], role: str, batch_size: int = 32, bf16: bool = False,
+          show_progress: bool = False) -> np.ndarray:
+    """L2-normalised float32 (n, d) embeddings; role "query" or "document" picks the search prompt.
+
+    Under torchrun each rank embeds texts[rank::world] and the slices are gathered in input order, so every rank
+    returns the full array.
+    """
+    prompt = _prompt(teacher, "search_query" if role == "query" else "search_document")
+    rank, world = distributed.rank(), distributed.world_size()
+    mine = texts[rank::world]
+    x = teacher.encode(mine, prompt=prompt, batch_size=batch_size, normalize=True, show_progress=show_progress,
+                       bf16=bf16) if mine else None
+    if world == 1:
+        return x if x is not None else np.zeros((0, 0), np.float32)
+    parts = distributed.all_gather_object(x)
+    d = next(p.shape[1] for p in parts if p is not None)
+    out = np.empty((len(texts), d), np.float32)
+    for r, p in enumerate(parts):
+        if p is not None:
+            out[r::world] = p  # rank r embedded texts r, r + world, r + 2·world, ...
+    return out

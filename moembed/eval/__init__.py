@@ -1,0 +1,48 @@
+"""Evaluation on local task directories: MTEB task types, Matryoshka/precision sweeps, long context, reports.
+
+    >>> from moembed.eval import evaluate
+    >>> results = evaluate(model, ["data/dev/test"])          # list[TaskResult]
+    >>> results[0].main_score                                 # nDCG@10 for a retrieval task
+
+See docs/evaluation.md for the task layouts, metrics and prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from moembed.eval.encoding import EmbeddingCache, View, content_hash
+from moembed.eval.runner import MAIN_SCORE, TaskResult, run_task
+from moembed.eval.task import Task, load_task
+
+
+def evaluate(
+    model,
+    tasks: Sequence[str | Path | Task],
+    dim: int | None = None,
+    precision: str = "float32",
+    batch_size: int = 32,
+    cache_dir: str | Path | None = None,
+    use_faiss: bool = False,
+    chunk_size: int = 10_000,
+    query_block: int = 256,
+) -> list[TaskResult]:
+    """Evaluate `model` on task directories (or loaded Tasks); one TaskResult per task, in order.
+
+    dim: Matryoshka truncation (None: full); precision: float32 | int8 | binary — for int8 a model without
+    calibration is calibrated in place on the tasks' texts; cache_dir: reuse embeddings across runs;
+    use_faiss: exact FAISS search for retrieval; chunk_size / query_block: corpus chunk and query block sizes
+    of the bounded-memory retrieval search.
+    """
+    loaded = [t if isinstance(t, Task) else load_task(t) for t in tasks]
+    if precision == "int8":
+        from moembed.eval.sweep import ensure_int8
+
+        ensure_int8(model, loaded)  # int8 ranges from the task texts when the model has no calibration
+    cache = EmbeddingCache(cache_dir, content_hash(model)) if cache_dir else None
+    view = View(dim, precision, batch_size)
+    return [run_task(model, t, view, cache, use_faiss, chunk_size, query_block) for t in loaded]
+
+
+__all__ = ["MAIN_SCORE", "EmbeddingCache", "Task", "TaskResult", "View", "evaluate", "load_task"]

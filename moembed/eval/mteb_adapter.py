@@ -1,0 +1,94 @@
+"""Run the real MTEB with a moembed model: `MtebEncoder` implements mteb's encoder protocol (mteb >= 2).
+
+    >>> import mteb
+    >>> from moembed.eval.mteb_adapter import MtebEncoder
+    >>> enc = MtebEncoder(Embedder.load("path/to/model"))
+    >>> mteb.evaluate(enc, mteb.get_tasks(tasks=["SciFact"]))       # needs internet for the task data
+
+mteb calls `encode(inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kwargs)` with a DataLoader
+of batches {"text": [...]} and expects an array (n, d). The prefix follows the Nomic convention
+(nomic-embed-v1 §5.1): retrieval-like tasks use "search_query" for queries and "search_document" for documents;
+classification uses "classification", clustering "clustering"; STS, pair classification, bitext mining,
+summarization and regression (symmetric tasks) use "classification". A model without the named prompt gets
+no prefix. `similarity` is the model's own when it has one (MoEE sum form), cosine otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moembed.eval.encoding import content_hash, prompt_name
+from moembed.eval.encoding import similarity as _similarity
+
+RETRIEVAL_TYPES = {"Retrieval", "Reranking", "InstructionRetrieval", "InstructionReranking"}
+TYPE_PROMPTS = {
+    "Classification": "classification",
+    "MultilabelClassification": "classification",
+    "Clustering": "clustering",
+    "STS": "classification",
+    "PairClassification": "classification",
+    "BitextMining": "classification",
+    "Summarization": "classification",
+    "Regression": "classification",
+}
+
+
+def prompt_for(task_type: str, prompt_type: Any | None) -> str | None:
+    """The moembed prompt name for an MTEB task type and PromptType ("query" | "document" | None)."""
+    kind = getattr(prompt_type, "value", prompt_type)
+    if task_type in RETRIEVAL_TYPES or kind in ("query", "document"):
+        return "search_document" if kind == "document" else "search_query"
+    return TYPE_PROMPTS.get(task_type)
+
+
+def _texts(inputs) -> list[str]:
+    """Texts from a DataLoader of {"text": [...]} batches (or from a plain list of strings)."""
+    if isinstance(inputs, str):
+        return [inputs]
+    texts: list[str] = []
+    for item in inputs:
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, dict):
+            texts.extend(item["text"])
+        else:
+            raise TypeError(f"mteb input: expected strings or batches with a 'text' field, got {type(item).__name__}")
+    return texts
+
+
+class MtebEncoder:
+    """mteb EncoderProtocol over a moembed model (anything with `encode`, `name`, `prompts`, `dim`)."""
+
+    def __init__(self, model, batch_size: int = 32, dim: int | None = None):
+        self.model = model
+        self.batch_size = batch_size
+        self.dim = dim
+
+    def encode(self, inputs, *, task_metadata, hf_split: str = "", hf_subset: str = "", prompt_type=None,
+               **kwargs) -> np.ndarray:
+        prompt = prompt_name(self.model, prompt_for(task_metadata.type, prompt_type))
+        texts = _texts(inputs)
+        x = self.model.encode(texts, prompt=prompt, dim=self.dim, batch_size=kwargs.get("batch_size", self.batch_size))
+        return np.asarray(x, dtype=np.float32)
+
+    def similarity(self, embeddings1, embeddings2) -> np.ndarray:
+        return _similarity(self.model, np.atleast_2d(np.asarray(embeddings1)), np.atleast_2d(np.asarray(embeddings2)))
+
+    def similarity_pairwise(self, embeddings1, embeddings2) -> np.ndarray:
+        from moembed.eval.encoding import pairwise
+
+        return pairwise(self.model, np.atleast_2d(np.asarray(embeddings1)), np.atleast_2d(np.asarray(embeddings2)))
+
+    @property
+    def mteb_model_meta(self):
+        from mteb.models.model_meta import ModelMeta
+
+        name = self.model.name if "/" in self.model.name else f"moembed/{self.model.name}"
+        try:
+            revision = content_hash(self.model)
+        except Exception:  # a model without hashable weights still runs; MTEB only files results by revision
+            revision = "unknown"
+        return ModelMeta.create_empty({"name": name, "revision": revision, "embed_dim": self.dim or self.model.dim,
+                                       "similarity_fn_name": "cosine", "framework": ["PyTorch"]})

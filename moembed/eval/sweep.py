@@ -1,0 +1,117 @@
+"""Sweeps: Matryoshka dimensions × output precisions, and retrieval at several maximum lengths.
+
+Matryoshka/precision (arctic-embed-2 §2.5, §3): every task is scored at each (dim, precision); each result
+carries the percentage of the full-dimension float32 score it retains (Arctic reports 99% of MTEB-R at 256 of
+768 dims for its medium model). int8 ranges come from the model's calibration embeddings; a model without any
+is calibrated on the texts of the tasks being evaluated (documents for retrieval), as arctic-embed-2 does with
+a sample of its corpus.
+
+Long context (nomic-embed-v1 §5.2.4, LoCo): retrieval tasks at several maximum lengths, each with and without
+Dynamic NTK scaling of the rotary base (Eq. 5). Models with learned absolute positions cannot go beyond their
+position table: their lengths are capped at `max_position` and the result notes it; Dynamic NTK does not
+apply to them and is not toggled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from moembed.errors import MoembedError
+from moembed.eval.encoding import EmbeddingCache, View
+from moembed.eval.runner import TaskResult, run_task
+from moembed.eval.task import Task
+
+
+def retained(results: list[TaskResult]) -> list[TaskResult]:
+    """Add `extra["retained_pct"]`: main score as % of the same task's full-dim float32 score."""
+    full = {r.task_name: r.main_score for r in results if r.precision == "float32" and r.extra.get("full_dim")}
+    for r in results:
+        base = full.get(r.task_name)
+        if base is not None:
+            r.extra["retained_pct"] = round(100.0 * r.main_score / base, 2) if base else None
+    return results
+
+
+def calibration_texts(tasks: Sequence[Task], limit: int = 10_000) -> list[str]:
+    """Texts of the evaluated tasks that set int8 ranges (corpus documents first)."""
+    texts: list[str] = []
+    for t in tasks:
+        d = t.data
+        if t.type == "retrieval":
+            texts += list(d["corpus"].values())
+        elif t.type in ("classification", "clustering"):
+            texts += [x for x, _ in d["test"]]
+        elif t.type in ("sts", "pair_classification"):
+            texts += [r[0] for r in d["rows"]] + [r[1] for r in d["rows"]]
+        elif t.type == "reranking":
+            texts += [x for r in d["rows"] for x in r[1] + r[2]]
+    return texts[:limit]
+
+
+def ensure_int8(model, tasks: Sequence[Task]) -> str:
+    """Calibrate the model on task texts if it has no int8 ranges yet; returns a note for the report."""
+    if getattr(model, "calibration", None) is not None:
+        return "int8 ranges from the model's stored calibration"
+    if not hasattr(model, "calibrate"):
+        raise MoembedError(f"precision int8: model {getattr(model, 'name', '?')!r} has no calibrate()")
+    texts = calibration_texts(tasks)
+    prompt = "search_document" if "search_document" in (model.prompts or {}) else None
+    model.calibrate(texts, prompt=prompt)
+    return f"int8 ranges calibrated on {len(texts)} task texts"
+
+
+def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, precisions: Sequence[str],
+                     batch_size: int = 32, cache: EmbeddingCache | None = None, use_faiss: bool = False,
+                     progress: bool = False) -> list[TaskResult]:
+    """Score every task at each (dim, precision); the full dim float32 run is always included as reference."""
+    if hasattr(model, "similarity") and (set(dims or []) - {model.dim} or set(precisions) - {"float32"}):
+        raise MoembedError("--dims/--precisions: this model scores with its own similarity; sweep the base model")
+    full = model.dim
+    dims = sorted({full, *(dims or [])}, reverse=True)
+    for d in dims:
+        if not 1 <= d <= full:
+            raise MoembedError(f"--dims: {d} is out of range 1..{full}")
+    precisions = ["float32", *[p for p in precisions if p != "float32"]]
+    note = ensure_int8(model, tasks) if "int8" in precisions else ""
+    out = []
+    grid = [(p, d, t) for p in precisions for d in dims for t in tasks]
+    for p, d, t in tqdm(grid, desc="sweep", unit="run", disable=not progress):
+        r = run_task(model, t, View(d, p, batch_size), cache, use_faiss and p == "float32")
+        r.extra["full_dim"] = d == full
+        r.note = note if p == "int8" else ""
+        out.append(r)
+    return retained(out)
+
+
+def long_context_sweep(model, tasks: Sequence[Task], max_lengths: Sequence[int], batch_size: int = 32,
+                       cache: EmbeddingCache | None = None, progress: bool = False) -> list[TaskResult]:
+    """Retrieval at each maximum length, with and without Dynamic NTK (rotary models only)."""
+    tok, cfg = getattr(model, "tokenizer", None), getattr(getattr(model, "encoder", None), "config", None)
+    if tok is None or cfg is None:
+        raise MoembedError("--max-lengths: needs a moembed Embedder (tokenizer and encoder config)")
+    retrieval = [t for t in tasks if t.type == "retrieval"]
+    if not retrieval:
+        raise MoembedError("--max-lengths: no retrieval task among the given tasks")
+    old_len, old_ntk = tok.max_length, cfg.dynamic_ntk
+    rotary = cfg.position == "rotary"
+    out = []
+    try:
+        for length in tqdm(max_lengths, desc="max lengths", unit="length", disable=not progress):
+            used, note = length, ""
+            if not rotary and length > cfg.max_position:
+                used, note = cfg.max_position, f"capped at max_position {cfg.max_position} (absolute positions)"
+            tok.set_max_length(used)
+            for ntk in (True, False) if rotary else (None,):
+                if ntk is not None:
+                    cfg.dynamic_ntk = ntk
+                for t in retrieval:
+                    r = run_task(model, t, View(None, "float32", batch_size), cache)
+                    r.note = note
+                    r.extra["requested_max_length"] = length
+                    out.append(r)
+    finally:
+        tok.set_max_length(old_len)
+        cfg.dynamic_ntk = old_ntk
+    return out

@@ -1,0 +1,97 @@
+"""Building a run's model and data stream from its TrainConfig (everything checked before training starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from moembed.data.batching import PairBatchStream
+from moembed.data.sources import PairSource, SourceStats, TextSource
+from moembed.errors import MoembedError
+from moembed.model import config as presets
+from moembed.model.config import EncoderConfig, pad_vocab
+from moembed.model.embedder import Embedder
+from moembed.model.encoder import Encoder
+from moembed.model.tokenizer import TextTokenizer
+from moembed.train.config import PRESETS, TrainConfig
+
+_BUILDERS = {
+    "tiny": lambda: presets.tiny_config("bert"),
+    "bert": presets.bert_config,
+    "nomic": presets.nomic_config,
+    "minilm_moe": presets.minilm_moe,
+    "nomic_v1_base": presets.nomic_v1_base,
+    "nomic_v2_moe_base": presets.nomic_v2_moe_base,
+}
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Refuse missing model, tokenizer and data paths before any work (errors name the key)."""
+    if cfg.model not in PRESETS and not Path(cfg.model).is_dir():
+        raise MoembedError(f"model: {cfg.model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
+    if cfg.model in PRESETS:
+        if cfg.tokenizer is None:
+            raise MoembedError(f"tokenizer: required when model is the preset {cfg.model!r}")
+        if not Path(cfg.tokenizer).is_dir():
+            raise MoembedError(f"tokenizer: {cfg.tokenizer}: not a directory")
+    for i, s in enumerate(cfg.data):
+        if not Path(s.path).exists():
+            raise MoembedError(f"data.{i}.path: {s.path}: no such file or directory")
+    if cfg.eval.every and not cfg.eval.tasks:
+        raise MoembedError("eval.tasks: empty while eval.every is set")
+    for i, t in enumerate(cfg.eval.tasks):
+        if not Path(t).is_dir():
+            raise MoembedError(f"eval.tasks.{i}: {t}: not a task directory")
+
+
+def preset_config(cfg: TrainConfig, tok: TextTokenizer) -> EncoderConfig:
+    """The preset's EncoderConfig with the tokenizer's vocabulary and `model_config_overrides` applied."""
+    base = _BUILDERS[cfg.model]().model_dump()
+    vocab = tok.vocab_size
+    base["vocab_size"] = pad_vocab(vocab) if base["family"] == "nomic" else vocab
+    base.update(cfg.model_config_overrides)
+    try:
+        return EncoderConfig(**base)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise MoembedError(f"model_config_overrides.{key}: {err['msg']}") from None
+
+
+def build_model(cfg: TrainConfig) -> Embedder:
+    """Load the model to start from, or build a preset from scratch (seeded by `cfg.seed`)."""
+    max_len = max(cfg.max_query_length, cfg.max_doc_length)
+    if cfg.model not in PRESETS:
+        emb = Embedder.load(cfg.model)
+    else:
+        tok = TextTokenizer.from_dir(Path(cfg.tokenizer), max_length=max_len)
+        torch.manual_seed(cfg.seed)
+        emb = Embedder(Encoder(preset_config(cfg, tok)), tok, pooling="mean", name=Path(cfg.output_dir).name)
+        emb.source_dir = Path(cfg.tokenizer)
+    if cfg.stage == "mlm" and cfg.mlm.to_rotary and emb.config.position == "absolute":
+        from moembed.train.mlm import to_rotary
+
+        emb = to_rotary(emb)
+    return emb
+
+
+def build_pair_stream(cfg: TrainConfig, stats: SourceStats, rank: int = 0, world: int = 1) -> PairBatchStream:
+    sources = [PairSource(s, stats, cfg.skip_bad) for s in cfg.data]
+    try:
+        return PairBatchStream(sources, cfg.batch_size, cfg.loss.num_hard_negatives, cfg.sampler.temperature,
+                               cfg.seed, stats, rank, world)
+    except ValueError as e:
+        raise MoembedError(f"batch_size: {e}") from None
+
+
+def build_text_stream(cfg: TrainConfig, tok: TextTokenizer, stats: SourceStats, rank: int = 0, world: int = 1):
+    from moembed.train.mlm import PackedTextStream
+
+    sources = [TextSource(s, stats, cfg.skip_bad) for s in cfg.data]
+    try:
+        return PackedTextStream(sources, tok, cfg.batch_size, cfg.mlm.seq_len, cfg.mlm.lang_alpha, cfg.seed, stats,
+                                rank, world)
+    except ValueError as e:
+        raise MoembedError(f"batch_size: {e}") from None

@@ -1,0 +1,65 @@
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules of the papers.
+
+Schedules (multiplier of the peak `lr` at optimizer step s, 0-based; W = warmup_steps, S = total steps):
+    warmup      s < W: (s + 1) / W                                     (all schedules)
+    constant    1
+    linear      linear decay from 1 at W towards min_lr_ratio at S    (nomic-embed-v1 finetune, Nomic v2 MLM)
+    cosine      half-cosine from 1 at W towards min_lr_ratio at S    (Nomic v2 contrastive pretraining)
+    inverse_sqrt  sqrt(W / (s + 1)) after warmup                       (nomic-embed-v1 contrastive pretraining)
+    wsd         warmup-stable-decay: 1 until the last `decay_fraction`·S steps, then linear to min_lr_ratio
+                (arctic-embed-2 App. C: no warmup, linear decay over 6,000 of 9,342 steps)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moembed.train.config import OptimConfig
+
+
+def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:
+    """The factor applied to the peak learning rate at 0-based optimizer step `step` of `total`."""
+    W = cfg.warmup_steps
+    if step < W:
+        return (step + 1) / W
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "inverse_sqrt":
+        return math.sqrt(max(W, 1) / (step + 1))
+    if cfg.schedule == "wsd":
+        decay_start = max(W, total - max(1, round(cfg.decay_fraction * total)))
+        if step < decay_start:
+            return 1.0
+        return 1.0 - (1.0 - floor) * min(1.0, (step - decay_start) / max(1, total - decay_start))
+    # 1 at the first step after warmup, falling towards the floor, which step `total` (never taken) would reach.
+    frac = min(1.0, (step - W) / max(1, total - W))
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - floor) * frac
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weight matrices only; biases, LayerNorm and 1-d parameters are not decayed.
+
+    Tied parameters (an MLM decoder sharing the word embeddings) appear once.
+    """
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
+    """AdamW and a LambdaLR scheduler stepped once per optimizer step."""
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, total_steps, cfg))
+    return opt, sched

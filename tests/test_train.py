@@ -1,0 +1,233 @@
+"""The trainer: config validation, schedules, end-to-end tiny runs, exact resume after SIGKILL, NaN stop, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import chatterbot_pairs, write_pairs
+
+from moembed.errors import MoembedError
+from moembed.train.config import OptimConfig, load_config
+from moembed.train.optim import lr_multiplier
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pairs")
+    p = chatterbot_pairs()
+    return write_pairs(d / "a.jsonl", p[:400], negatives=3), write_pairs(d / "b.jsonl", p[400:700], negatives=3, seed=1)
+
+
+def _overrides(minilm_path, out, a, b=None):
+    o = [f"tokenizer={minilm_path}", f"data.0.path={a}", f"output_dir={out}"]
+    return o + ([f"data.1.path={b}"] if b else [])
+
+
+# ---- config -------------------------------------------------------------------------------------------------
+
+
+RECIPES = ["nomic-v1-contrastive", "nomic-v1-finetune", "nomic-v2-moe-pretrain", "nomic-v2-moe-finetune",
+           "arctic-matryoshka", "mlm-nomic", "tiny/contrastive", "tiny/finetune", "tiny/mlm"]
+
+
+def test_all_shipped_configs_validate():
+    for name in RECIPES:
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        assert cfg.steps >= 1, name
+
+
+def test_config_errors_name_the_key(tmp_path):
+    base = TINY / "contrastive.yaml"
+    with pytest.raises(MoembedError, match=r"optim\.lr: .*number"):
+        load_config(base, ["optim.lr=fast"])
+    with pytest.raises(MoembedError, match=r"loss\.tempertaure: unknown key"):
+        load_config(base, ["loss.tempertaure=0.1"])
+    with pytest.raises(MoembedError, match=r"data\.0\.formt: unknown key"):
+        load_config(base, ["data.0.formt=jsonl"])
+    with pytest.raises(MoembedError, match=r"data\.5: no such list item"):
+        load_config(base, ["data.5.path=x"])
+    with pytest.raises(MoembedError, match="expected key=value"):
+        load_config(base, ["steps"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(base.read_text() + "learning_rate: 0.1\n")
+    with pytest.raises(MoembedError, match=rf"{bad}: learning_rate: unknown key"):
+        load_config(bad)
+    bad.write_text(base.read_text().replace("steps: 6", "steps: six"))
+    with pytest.raises(MoembedError, match=r"steps: .*integer"):
+        load_config(bad)
+    bad.write_text(base.read_text().replace("stage: contrastive", "stage: distill"))
+    with pytest.raises(MoembedError, match=r"stage: "):
+        load_config(bad)
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(TINY / "contrastive.yaml", ["optim.lr=3e-4", "bf16=true", "loss.matryoshka_dims=[32,16]",
+                                                  "data.0.weight=2", "chunk_size=4"])
+    assert cfg.optim.lr == 3e-4 and cfg.bf16 is True and cfg.loss.matryoshka_dims == [32, 16]
+    assert cfg.data[0].weight == 2.0 and cfg.chunk_size == 4
+
+
+def _main(argv, monkeypatch, capsys) -> tuple[int, str]:
+    """Run the `moembed` entry point in this process; (exit code, stderr)."""
+    from moembed.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["moembed", *argv])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code or 0
+    return code, capsys.readouterr().err
+
+
+def test_bad_config_refused_before_any_work(tmp_path, minilm_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    code, err = _main(["train", str(TINY / "contrastive.yaml"), f"output_dir={out}", "optim.betas=[0.9]"],
+                      monkeypatch, capsys)
+    assert code == 1 and "optim.betas" in err
+    code, err = _main(["validate", str(TINY / "contrastive.yaml"), f"tokenizer={minilm_path}", "data.0.path=nope.jsonl"],
+                      monkeypatch, capsys)
+    assert code == 1 and "data.0.path" in err
+    assert not out.exists()
+
+
+# ---- schedules ------------------------------------------------------------------------------------------------
+
+
+def test_schedules():
+    S = 100
+    lin = OptimConfig(schedule="linear", warmup_steps=10)
+    assert lr_multiplier(0, S, lin) == pytest.approx(0.1) and lr_multiplier(9, S, lin) == 1.0
+    assert lr_multiplier(10, S, lin) == 1.0 and lr_multiplier(55, S, lin) == pytest.approx(0.5)
+    cos = OptimConfig(schedule="cosine", warmup_steps=0, min_lr_ratio=0.1)
+    assert lr_multiplier(50, S, cos) == pytest.approx(0.55) and lr_multiplier(99, S, cos) > 0.1
+    inv = OptimConfig(schedule="inverse_sqrt", warmup_steps=4)
+    assert lr_multiplier(15, S, inv) == pytest.approx(0.5)
+    wsd = OptimConfig(schedule="wsd", warmup_steps=0, decay_fraction=0.2)
+    assert [lr_multiplier(s, S, wsd) for s in (0, 79)] == [1.0, 1.0]
+    assert lr_multiplier(90, S, wsd) == pytest.approx(0.5)
+
+
+# ---- runs -----------------------------------------------------------------------------------------------------
+
+
+def _cli(args, cwd) -> subprocess.Popen:
+    """`python -m moembed.cli.main ARGS` in a subprocess with one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "moembed.cli.main", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_finetune_run_with_moe_gradcache_matryoshka_and_plots(tmp_path, minilm_path, pairs_file):
+    from moembed.model.embedder import Embedder
+    from moembed.train.loop import train
+    from moembed.train.plots import read_metrics
+
+    task = tmp_path / "task"  # a small BEIR-style retrieval task for the evaluation every 2 steps
+    (task / "qrels").mkdir(parents=True)
+    held_out = chatterbot_pairs()[1500:1540]
+    (task / "corpus.jsonl").write_text("".join(json.dumps({"_id": f"d{i}", "title": "", "text": a}) + "\n"
+                                               for i, (_, a) in enumerate(held_out)))
+    (task / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": q}) + "\n"
+                                                for i, (q, _) in enumerate(held_out)))
+    (task / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" +
+                                             "".join(f"q{i}\td{i}\t1\n" for i in range(len(held_out))))
+    out = tmp_path / "ft"
+    cfg = load_config(TINY / "finetune.yaml", _overrides(minilm_path, out, *pairs_file) +
+                      ["steps=4", "eval.every=2", f"eval.tasks=[{task}]"])
+    final = train(cfg, progress=False)
+    emb = Embedder.load(final)
+    assert emb.config.moe is not None and emb.encode(["what is a wavelength"]).shape == (1, 32)
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(set(r["per_dim"]) == {"32", "16"} and len(r["expert_load"]) == 1 for r in recs)
+    assert {r["source"] for r in recs} <= {"a", "b"}
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert [e["step"] for e in evals] == [2, 4] and all(0 < e["eval"]["task"] <= 1 for e in evals)
+    for name in ("loss.png", "lr.png", "expert_load.png"):
+        assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000004"]  # keep_last: 1
+
+
+def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tmp_path, minilm_path, pairs_file, monkeypatch):
+    import moembed.train.step as step_mod
+    from moembed.train.checkpoint import CheckpointManager
+    from moembed.train.loop import Trainer, train
+
+    real, calls = step_mod.contrastive_step, []
+
+    def poisoned(*a, **k):
+        res = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 3:
+            res.loss = float("nan")
+        return res
+
+    monkeypatch.setattr(step_mod, "contrastive_step", poisoned)
+    out = tmp_path / "nan"
+    cfg = load_config(TINY / "contrastive.yaml", _overrides(minilm_path, out, pairs_file[0]))
+    with pytest.raises(MoembedError, match=r"step 3: loss is nan .*Last good checkpoint: .*step-00000002"):
+        train(cfg, progress=False)
+    mgr = CheckpointManager(out / "checkpoints")
+    assert mgr.latest().name == "step-00000002" and not (out / "model").exists()
+    t = Trainer(cfg, progress=False)  # the checkpoint restores cleanly
+    assert t.resume() == 2
+
+
+def test_sigkill_and_resume_is_bit_identical(tmp_path, minilm_path, pairs_file, monkeypatch):
+    """Dropout on, hard negatives drawn at random: model, optimizer, RNG and data position must all be restored."""
+    import json
+
+    from moembed.train.loop import train
+
+    steps = 14
+    opts = [f"steps={steps}", "batch_size=12", "loss.num_hard_negatives=1"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the killed subprocess runs with one thread; same kernels, same bits
+    try:
+        train(load_config(TINY / "contrastive.yaml", opts + _overrides(minilm_path, tmp_path / "ref", pairs_file[0])),
+              progress=False)
+
+        out = tmp_path / "killed"
+        k = random.Random().randint(3, 9)
+        proc = _cli(["train", str(TINY / "contrastive.yaml"), "--quiet", *opts, *_overrides(minilm_path, out, pairs_file[0])],
+                    tmp_path)
+        ckpts = out / "checkpoints"
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            done = [int(p.name[5:]) for p in ckpts.glob("step-*")] if ckpts.exists() else []
+            if done and max(done) >= k:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+        assert not (out / "model").exists()
+
+        cfg = load_config(TINY / "contrastive.yaml", opts + _overrides(minilm_path, out, pairs_file[0]))
+        train(cfg, progress=False)  # resumes from the latest checkpoint
+    finally:
+        torch.set_num_threads(threads)
+    a = load_file(str(tmp_path / "ref" / "model" / "model.safetensors"))
+    b = load_file(str(out / "model" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+    def records(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in ("time", "pairs_per_s")} for x in lines]
+
+    assert records("ref") == records("killed")  # same losses, sources and learning rates at every step
