@@ -89,7 +89,7 @@ def init(
     import torch
     from pydantic import ValidationError
 
-    from moembed.errors import MoembedError
+    from moembed.errors import MoembedError, config_error
     from moembed.model.vocab_pair import VocabPair, make_embedder
 
     if family not in ("bert", "nomic"):
@@ -102,8 +102,7 @@ def init(
             hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=intermediate,
         )
     except ValidationError as e:
-        err = e.errors()[0]
-        raise MoembedError(f"model config: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise config_error(e, "model config") from None
     emb.save(out)
     n = sum(p.numel() for p in emb.encoder.parameters())
     typer.echo(f"moembed: wrote {kind} model ({n:,} parameters, vocabulary {emb.config.vocab_size}) to {out}", err=True)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moembed import __version__
-from moembed.errors import MoembedError
+from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_dir
 from moembed.model.config import EncoderConfig
 from moembed.model.embedder import Embedder
@@ -170,9 +170,7 @@ def _load_moembed(path: Path, cfg: dict, max_length: int | None) -> Embedder:
     except KeyError as e:
         raise MoembedError(f"{path / 'config.json'}: missing key {e.args[0]!r}") from None
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in err["loc"])
-        raise MoembedError(f"{path / 'config.json'}: encoder.{key}: {err['msg']}") from None
+        raise config_error(e, str(path / "config.json"), "encoder.") from None
     encoder = Encoder(config)
     _load_state(encoder, _read_weights(path), path / "model.safetensors")
     tok = TextTokenizer.from_dir(path, max_length or cfg.get("max_length", config.max_position))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moembed.errors import MoembedError
+from moembed.errors import MoembedError, config_error
 from moembed.model.config import MoEConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
@@ -56,9 +56,7 @@ def upcycle(
         config = src.model_copy(update={"moe": moe})
         config = type(src)(**config.model_dump())  # re-validate the whole config
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in err["loc"]) or "moe"
-        raise MoembedError(f"upcycle: {key}: {err['msg']}") from None
+        raise config_error(e, "upcycle") from None
     if not config.moe_layers():
         raise MoembedError(f"upcycle: every={every}, offset={offset} selects no layer of {src.num_layers}")
 

@@ -25,7 +25,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moembed.errors import MoembedError
+from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_path, iter_jsonl, write_jsonl
 from moembed.model.embedder import NOMIC_PROMPTS as _PROMPTS
 
@@ -97,9 +97,7 @@ def load_quickstart_config(path: str | Path | None, **overrides) -> QuickstartCo
     try:
         return QuickstartConfig(**doc)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in err["loc"])
-        raise MoembedError(f"{path or 'quickstart'}: {key}: {err['msg']}") from None
+        raise config_error(e, str(path or "quickstart")) from None
 
 
 def minilm_path() -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 from moembed import __version__

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from moembed.data.batching import PairBatchStream
 from moembed.data.sources import PairSource, SourceStats, TextSource
-from moembed.errors import MoembedError
+from moembed.errors import MoembedError, config_error
 from moembed.model import config as presets
 from moembed.model.config import EncoderConfig, pad_vocab
 from moembed.model.embedder import Embedder
@@ -55,9 +55,7 @@ def preset_config(cfg: TrainConfig, tok: TextTokenizer) -> EncoderConfig:
     try:
         return EncoderConfig(**base)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        raise MoembedError(f"model_config_overrides.{key}: {err['msg']}") from None
+        raise config_error(e, "model_config_overrides") from None
 
 
 def build_model(cfg: TrainConfig) -> Embedder:

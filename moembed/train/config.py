@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from moembed.errors import MoembedError
+from moembed.errors import MoembedError, config_error
 from moembed.losses.config import LossConfig
 
 # Encoder presets usable as `model:` for from-scratch training (moembed.model.config builders).
@@ -163,16 +163,6 @@ def _set(doc: dict, path: list[str], value: Any, item: str) -> None:
             node = node[part]
 
 
-def _format_error(e: ValidationError, where: str) -> MoembedError:
-    err = e.errors()[0]
-    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown key"
-    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-    return MoembedError(f"{where}: {key}: {msg}{more}")
-
-
 def load_config(path: str | Path | None, overrides: list[str] | None = None, base: dict | None = None) -> TrainConfig:
     """Read a YAML config (or start from `base`), apply dotted `key=value` overrides, validate.
 
@@ -198,4 +188,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, bas
     try:
         return TrainConfig.model_validate(doc)
     except ValidationError as e:
-        raise _format_error(e, where) from None
+        raise config_error(e, where) from None
