@@ -84,3 +84,15 @@ def test_quickstart_config_errors_name_the_key(tmp_path):
         load_quickstart_config(None, size="huge")
     assert load_quickstart_config(None, steps=5).train.steps == 5
     assert load_quickstart_config(None).datasets[0] == "news"
+
+
+def test_shipped_quickstart_yaml_is_the_default():
+    from pathlib import Path
+
+    import yaml
+
+    from moembed.recipes.quickstart import QuickstartConfig, load_quickstart_config
+
+    path = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+    assert load_quickstart_config(path) == QuickstartConfig()
+    assert yaml.safe_load(path.read_text()) == QuickstartConfig().model_dump(mode="json")

@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
 
 def quickstart(
     out: Path = typer.Option(Path("moembed-quickstart"), "--out", help="work and report directory (rerun to resume)"),
-    steps: int = typer.Option(None, "--steps", help="finetuning steps per model (default 80)"),
+    steps: int = typer.Option(None, "--steps", help="finetuning steps per model (default 200)"),
     size: str = typer.Option(None, "--size", help="small | medium | large: pairs per dataset"),
     config: Path = typer.Option(None, "--config", help="a YAML file over configs/quickstart.yaml's defaults"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),

@@ -45,11 +45,11 @@ class _Strict(BaseModel):
 
 
 class QuickTrain(_Strict):
-    steps: int = Field(80, ge=1)
+    steps: int = Field(200, ge=1)
     batch_size: int = Field(32, ge=2)
     hard_negatives: int = Field(1, ge=0)
     lr: float = Field(3e-5, gt=0)
-    warmup_steps: int = Field(8, ge=0)
+    warmup_steps: int = Field(20, ge=0)
     temperature: float = Field(0.05, gt=0)
     matryoshka_dims: list[int] = [384, 256, 128]
     aux_loss_coef: float = Field(1.0, ge=0)
