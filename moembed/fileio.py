@@ -120,3 +120,20 @@ def write_jsonl(path: str | os.PathLike, records) -> int:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
     return n
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Parse a YAML file (empty → {}); errors name the file and, when known, the line."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise MoembedError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise MoembedError(f"{path}: not valid UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise MoembedError(f"{path}{line}: invalid YAML") from None
+    return {} if doc is None else doc

@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moembed.errors import MoembedError, config_error
-from moembed.fileio import atomic_path, iter_jsonl, write_jsonl
+from moembed.fileio import atomic_path, iter_jsonl, read_yaml, write_jsonl
 from moembed.model.embedder import NOMIC_PROMPTS as _PROMPTS
 
 log = logging.getLogger("moembed")
@@ -82,14 +82,9 @@ class QuickstartConfig(_Strict):
 
 def load_quickstart_config(path: str | Path | None, **overrides) -> QuickstartConfig:
     """The default recipe (configs/quickstart.yaml values), a YAML file over it, then CLI overrides."""
-    doc: dict = {}
-    if path is not None:
-        try:
-            doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except OSError as e:
-            raise MoembedError(f"{path}: cannot read ({e.strerror or e})") from None
-        except yaml.YAMLError as e:
-            raise MoembedError(f"{path}: invalid YAML ({e})") from None
+    doc = read_yaml(path) if path is not None else {}
+    if not isinstance(doc, dict):
+        raise MoembedError(f"{path}: expected a mapping of keys at the top level")
     if overrides.get("steps") is not None:
         doc.setdefault("train", {})["steps"] = overrides["steps"]
     if overrides.get("size") is not None:

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moembed.errors import MoembedError, config_error
+from moembed.fileio import read_yaml
 from moembed.losses.config import LossConfig
 
 # Encoder presets usable as `model:` for from-scratch training (moembed.model.config builders).
@@ -172,14 +173,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, bas
     where = str(path) if path is not None else "config"
     doc: Any = dict(base or {})
     if path is not None:
-        try:
-            doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except OSError as e:
-            raise MoembedError(f"{path}: cannot read ({e.strerror or e})") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark is not None else ""
-            raise MoembedError(f"{path}{line}: invalid YAML") from None
+        doc = read_yaml(path)
     if not isinstance(doc, dict):
         raise MoembedError(f"{where}: expected a mapping of keys at the top level")
     for item in overrides or []:
