@@ -1,6 +1,6 @@
 """MoEE on moembed MoE encoders: HS vs RW vs MoEE(concat) vs MoEE(sum) on the evaluation dev suite.
 
-    python benchmarks/moee_encoder.py MODEL_DIR [MODEL_DIR ...] --alphas 0.5,1,2 [--suite-dir DIR] [--out res.json]
+    python benchmarks/moee_encoder.py MODEL_DIR [MODEL_DIR ...] --alphas 0.5,1,2 [--suite-dir DIR | --tasks DIR ...] [--out res.json]
 
 Each model's texts are encoded once (HS and RW come from the same forward pass); the combinations are then
 scored by moembed.eval on every task of the dev suite. Prints one markdown table per model (main score per task,
@@ -72,8 +72,16 @@ def main() -> None:
     ap.add_argument("--alphas", default="0.5,1,2")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tasks", nargs="+", default=None,
+                    help="task directories to use instead of the dev suite (e.g. a quickstart run's data/*/test)")
     args = ap.parse_args()
-    tasks = [load_task(d) for d in build_suite(args.suite_dir)]
+    if args.tasks:
+        tasks = [load_task(d) for d in args.tasks]
+        for t, d in zip(tasks, args.tasks):
+            if t.name == "test":  # a builder's held-out split: name it after its dataset
+                t.name = Path(d).resolve().parent.name
+    else:
+        tasks = [load_task(d) for d in build_suite(args.suite_dir)]
     alphas = [float(a) for a in args.alphas.split(",")]
     report = {}
     for m in args.models:
