@@ -203,6 +203,25 @@ def test_mlm_tied_weight_is_the_full_table(pair):
     torch.testing.assert_close(full[:300], layer(torch.arange(300)))
 
 
+def test_mlm_step_trains_the_move_layer(pair, corpus):
+    from moembed.train.mlm import MLMModel, mask_id, mask_tokens, special_ids
+
+    emb = tiny_move(pair).train()
+    model = MLMModel(emb)
+    ids, _ = _batch(emb, corpus[:4])
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = mask_tokens(ids, 0.3, mask_id(emb.tokenizer), emb.config.vocab_size, special_ids(emb.tokenizer), g)
+    out = model(inputs, labels)
+    assert out.num_masked > 0 and torch.isfinite(out.loss)
+    out.loss.backward()
+    layer = emb.encoder.embeddings.word
+    # The tied decoder reads the whole |V_l| table, so every base piece and every expert gets a gradient.
+    assert layer.base.weight.grad.abs().sum() > 0 and layer.experts.w1.grad.abs().sum() > 0
+    before = layer.base.weight.detach().clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(before, layer.base.weight)
+
+
 def _batch(emb, texts):
     b = emb.tokenizer(texts)
     return b.input_ids, b.attention_mask
