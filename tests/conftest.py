@@ -46,3 +46,12 @@ def make_tiny(minilm_path):
         return Embedder(Encoder(cfg), tok, pooling="mean", name=f"tiny-{family}").eval()
 
     return make
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models on many small batches: thread hand-offs cost more than they save (badly so on a busy CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

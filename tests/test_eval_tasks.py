@@ -15,15 +15,7 @@ from moembed.eval.report import SCHEMA_KEYS, read_results, write_results
 from moembed.eval.sweep import long_context_sweep, matryoshka_sweep
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models on many small batches: thread hand-offs cost more than they save (badly so on a busy CPU)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 TOPICS = {

@@ -22,15 +22,7 @@ from moembed.eval import evaluate  # noqa: E402
 from moembed.eval.mteb_adapter import MtebEncoder  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models on many small batches: thread hand-offs cost more than they save (badly so on a busy CPU)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Recorder:

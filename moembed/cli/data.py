@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
+
+# Options shared by `filter` and `mine` (both run moembed.data.curate).
+Data = Annotated[Path, typer.Argument(help='JSONL of {"query", "document", ...} pairs')]
+Teacher = Annotated[str, typer.Option(help="model directory (moembed, HF BERT or sentence-transformers)")]
+WorkDir = Annotated[Path, typer.Option(help="per-shard results for resuming (default: OUT.work, removed at the end)")]
+SkipBad = Annotated[bool, typer.Option(help="skip malformed lines (counted) instead of failing")]
+BatchSize = Annotated[int, typer.Option(help="texts per teacher forward pass")]
+Backend = Annotated[str, typer.Option(help="search backend: auto | faiss | exact")]
+Bf16 = Annotated[bool, typer.Option(help="bfloat16 autocast for the teacher")]
+CacheEmbeddings = Annotated[bool, typer.Option(help="keep shard embeddings in --work-dir for later runs")]
 
 data_app = typer.Typer(help="Build training pairs and BEIR evaluation sets from installed real corpora.", no_args_is_help=True)
 tokenizer_app = typer.Typer(help="Train tokenizers with the `tokenizers` library.", no_args_is_help=True)
@@ -49,17 +60,17 @@ def build_cmd(
 
 
 def filter_cmd(
-    data: Path = typer.Argument(..., help='JSONL of {"query", "document", ...} pairs'),
-    teacher: str = typer.Option(..., help="model directory (moembed, HF BERT or sentence-transformers)"),
+    data: Data,
+    teacher: Teacher,
     out: Path = typer.Option(..., "--out", help="kept pairs, JSONL"),
     shard_size: int = typer.Option(1_000_000, help="pairs per shard (documents compete within a shard)"),
     top_k: int = typer.Option(2, help="keep a pair when its document ranks in the top K (2: Nomic, 20: Arctic)"),
-    work_dir: Path = typer.Option(None, help="per-shard results for resuming (default: OUT.work, removed at the end)"),
-    skip_bad: bool = typer.Option(False, help="skip malformed lines (counted) instead of failing"),
-    batch_size: int = typer.Option(32, help="texts per teacher forward pass"),
-    backend: str = typer.Option("auto", help="search backend: auto | faiss | exact"),
-    bf16: bool = typer.Option(False, help="bfloat16 autocast for the teacher"),
-    cache_embeddings: bool = typer.Option(False, help="keep shard embeddings in --work-dir for later runs"),
+    work_dir: WorkDir = None,
+    skip_bad: SkipBad = False,
+    batch_size: BatchSize = 32,
+    backend: Backend = "auto",
+    bf16: Bf16 = False,
+    cache_embeddings: CacheEmbeddings = False,
 ) -> None:
     """Consistency filtering (nomic-embed-v1 §4.2.1): drop pairs whose document is not in its query's top K."""
     from moembed.data.curate import CurateConfig, curate
@@ -73,20 +84,20 @@ def filter_cmd(
 
 
 def mine_cmd(
-    data: Path = typer.Argument(..., help='JSONL of {"query", "document", ...} pairs'),
-    teacher: str = typer.Option(..., help="model directory (moembed, HF BERT or sentence-transformers)"),
+    data: Data,
+    teacher: Teacher,
     out: Path = typer.Option(..., "--out", help="pairs with negatives, JSONL"),
     num_negatives: int = typer.Option(7, help="hard negatives kept per pair (M)"),
     margin: float = typer.Option(0.95, help="drop candidates scoring above pos_score × MARGIN (Eq. 5)"),
     abs_margin: float = typer.Option(None, help="also drop candidates scoring above pos_score − ABS_MARGIN"),
     filter_top_k: int = typer.Option(None, help="also consistency-filter with this top K, on the same embeddings"),
     shard_size: int = typer.Option(1_000_000, help="pairs per shard (negatives come from the shard's documents)"),
-    work_dir: Path = typer.Option(None, help="per-shard results for resuming (default: OUT.work, removed at the end)"),
-    skip_bad: bool = typer.Option(False, help="skip malformed lines (counted) instead of failing"),
-    batch_size: int = typer.Option(32, help="texts per teacher forward pass"),
-    backend: str = typer.Option("auto", help="search backend: auto | faiss | exact"),
-    bf16: bool = typer.Option(False, help="bfloat16 autocast for the teacher"),
-    cache_embeddings: bool = typer.Option(False, help="keep shard embeddings in --work-dir for later runs"),
+    work_dir: WorkDir = None,
+    skip_bad: SkipBad = False,
+    batch_size: BatchSize = 32,
+    backend: Backend = "auto",
+    bf16: Bf16 = False,
+    cache_embeddings: CacheEmbeddings = False,
 ) -> None:
     """Positive-aware hard-negative mining (nomic-embed-v2 Eq. 5); optionally filter in the same pass."""
     from moembed.data.curate import CurateConfig, curate
