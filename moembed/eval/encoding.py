@@ -112,20 +112,14 @@ def _derivable(model, view: View) -> bool:
     functions of the truncated vector, so one full encode serves every sweep point (parity-tested).
     """
     full = view.dim in (None, getattr(model, "dim", None)) and view.precision == "float32"
-    return not full and getattr(model, "normalize", None) is True and hasattr(model, "int8_ranges")
+    return not full and getattr(model, "normalize", None) is True and hasattr(model, "postprocess")
 
 
 def derive(model, full: np.ndarray, view: View) -> np.ndarray:
     """The `model.encode(dim=view.dim, precision=view.precision)` output from full-dim float32 embeddings."""
-    from moembed.model.pooling import binarize, quantize_int8
+    import torch
 
-    x = full[:, : view.dim] if view.dim else full
-    x = (x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)).astype(np.float32)
-    if view.precision == "int8":
-        return quantize_int8(x, model.int8_ranges(view.dim))
-    if view.precision == "binary":
-        return binarize(x)
-    return x
+    return model.postprocess(torch.from_numpy(full), view.dim, view.precision)
 
 
 def encode(model, texts: list[str], prompt: str | None, view: View, cache: EmbeddingCache | None = None) -> np.ndarray:
