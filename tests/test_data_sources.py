@@ -30,7 +30,7 @@ def _take(src, n):
 def test_jsonl_prefixes_fields_and_epochs(tmp_path):
     p = _jsonl(tmp_path / "x.jsonl", [{"q": "a?", "d": "A", "n": ["B", "C"]}, {"q": "b?", "d": "B"}])
     cfg = SourceConfig(path=str(p), query_field="q", document_field="d", negatives_field="n",
-                       query_prefix="search_query: ", document_prefix="search_document: ")
+                       query_prefix="search_query: ", document_prefix="search_document: ", shuffle_block=0)
     src = PairSource(cfg, SourceStats())
     assert src.size == 2
     a, b, c = _take(src, 3)
@@ -48,7 +48,7 @@ def test_jsonl_prefixes_fields_and_epochs(tmp_path):
 ])
 def test_malformed_record_names_file_and_line(tmp_path, line, msg):
     p = _jsonl(tmp_path / "bad.jsonl", [{"query": "q1", "document": "d1"}, "", line])
-    src = PairSource(SourceConfig(path=str(p)), SourceStats())
+    src = PairSource(SourceConfig(path=str(p), shuffle_block=0), SourceStats())
     src.next()
     with pytest.raises(MoembedError, match=rf"{p}:3: {msg}"):
         src.next()
@@ -60,11 +60,11 @@ def test_skip_bad_counts_and_empty_dropped(tmp_path):
         {"query": "q3", "document": ""}, {"query": "q4", "document": "d4"},
     ])
     stats = SourceStats()
-    src = PairSource(SourceConfig(path=str(p), name="m"), stats, skip_bad=True)
+    src = PairSource(SourceConfig(path=str(p), name="m", shuffle_block=0), stats, skip_bad=True)
     assert [e.query for e in _take(src, 2)] == ["q1", "q4"]
     assert stats.bad["m"] == 1 and stats.empty["m"] == 2 and stats.read["m"] == 4
     stats2 = SourceStats()  # without skip_bad the empty records are still only counted, the bad one stops
-    src2 = PairSource(SourceConfig(path=str(p), name="m"), stats2)
+    src2 = PairSource(SourceConfig(path=str(p), name="m", shuffle_block=0), stats2)
     src2.next()
     with pytest.raises(MoembedError, match=rf"{p}:2: invalid JSON"):
         src2.next()
@@ -98,7 +98,7 @@ def test_parquet_streams_row_groups_and_resumes(tmp_path):
     path = tmp_path / "p.parquet"
     pq.write_table(table, path, row_group_size=10)
     cfg = SourceConfig(path=str(path), format="parquet", query_field="question", document_field="answer",
-                       negatives_field=None)
+                       negatives_field=None, shuffle_block=0)
     src = PairSource(cfg, SourceStats())
     assert src.size == 45 and src.reader.columns == ["question", "answer"]
     got = [e.query for e in _take(src, 23)]
@@ -116,7 +116,7 @@ def test_parquet_bad_row_names_row(tmp_path):
 
     path = tmp_path / "b.parquet"
     pq.write_table(pa.table({"query": ["a", None, "c"], "document": ["x", "y", "z"]}), path)
-    src = PairSource(SourceConfig(path=str(path), format="parquet"), SourceStats())
+    src = PairSource(SourceConfig(path=str(path), format="parquet", shuffle_block=0), SourceStats())
     src.next()
     with pytest.raises(MoembedError, match=rf"{path}:row 2: missing field 'query'"):
         src.next()
@@ -128,14 +128,15 @@ def test_hf_saved_dataset(tmp_path):
     pairs = chatterbot_pairs()[:12]
     ds = datasets.Dataset.from_dict({"query": [q for q, _ in pairs], "document": [a for _, a in pairs]})
     ds.save_to_disk(str(tmp_path / "ds"))
-    src = PairSource(SourceConfig(path=str(tmp_path / "ds"), format="hf-disk", negatives_field=None), SourceStats())
+    cfg = SourceConfig(path=str(tmp_path / "ds"), format="hf-disk", negatives_field=None, shuffle_block=0)
+    src = PairSource(cfg, SourceStats())
     assert src.size == 12 and [e.document for e in _take(src, 12)] == [a for _, a in pairs]
 
 
 def test_text_source_accepts_strings_and_objects(tmp_path):
     p = _jsonl(tmp_path / "t.jsonl", ['"plain text"', {"text": "object text"}, {"text": " "}])
     stats = SourceStats()
-    src = TextSource(SourceConfig(path=str(p), name="t"), stats)
+    src = TextSource(SourceConfig(path=str(p), name="t", shuffle_block=0), stats)
     assert _take(src, 3) == ["plain text", "object text", "plain text"]
     assert stats.empty["t"] == 1
 

@@ -76,7 +76,8 @@ def build_model(cfg: TrainConfig) -> Embedder:
 
 
 def build_pair_stream(cfg: TrainConfig, stats: SourceStats, rank: int = 0, world: int = 1) -> PairBatchStream:
-    sources = [PairSource(s, stats, cfg.skip_bad) for s in cfg.data]
+    # Every rank passes the same seed, so all ranks read records in the same order and draw the same global batch.
+    sources = [PairSource(s, stats, cfg.skip_bad, cfg.seed) for s in cfg.data]
     try:
         return PairBatchStream(sources, cfg.batch_size, cfg.loss.num_hard_negatives, cfg.sampler.temperature,
                                cfg.seed, stats, rank, world)
@@ -87,7 +88,7 @@ def build_pair_stream(cfg: TrainConfig, stats: SourceStats, rank: int = 0, world
 def build_text_stream(cfg: TrainConfig, tok: TextTokenizer, stats: SourceStats, rank: int = 0, world: int = 1):
     from moembed.train.mlm import PackedTextStream
 
-    sources = [TextSource(s, stats, cfg.skip_bad) for s in cfg.data]
+    sources = [TextSource(s, stats, cfg.skip_bad, cfg.seed) for s in cfg.data]  # same seed on every rank
     try:
         return PackedTextStream(sources, tok, cfg.batch_size, cfg.mlm.seq_len, cfg.mlm.lang_alpha, cfg.seed, stats,
                                 rank, world)
