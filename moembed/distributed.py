@@ -67,13 +67,20 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean of `t` over ranks (a new tensor; `t` itself in one process). No gradient."""
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over ranks (a new tensor; `t` itself in one process). No gradient."""
     if world_size() == 1:
         return t
     t = t.detach().clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t / world_size()
+    return t
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of `t` over ranks (a new tensor; `t` itself in one process). No gradient."""
+    if world_size() == 1:
+        return t
+    return all_reduce_sum(t) / world_size()
 
 
 def all_reduce_gradients(module: torch.nn.Module) -> None:

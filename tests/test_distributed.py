@@ -1,5 +1,5 @@
 """Data parallelism on 2 CPU processes (gloo): 2 ranks sharing a batch give the loss and gradients of 1 process
-holding the whole batch; in one process the collectives are the identity."""
+holding the whole batch, the MoE auxiliary losses included; in one process the collectives are the identity."""
 
 from __future__ import annotations
 
@@ -24,10 +24,30 @@ DOCUMENTS = [
 ]
 NEGATIVES = [f"unrelated passage {i} on {w}" for i, w in enumerate(["tea", "rivers", "chess", "glass"] * 3)]
 H = 2
-# MoE auxiliary losses are per-rank by definition (computed on each rank's tokens), so they are off here.
+TEXTS = (QUERIES, DOCUMENTS, NEGATIVES)
+# InfoNCE to 1e-9 (float64); the MoE auxiliary losses, whose router runs in float32, are checked apart below.
 LOSS = dict(temperature=0.05, num_hard_negatives=H, symmetric=True, matryoshka_dims=[32, 8], aux_loss_coef=0.0)
 # (rows of rank 0, GradCache chunk): an even split with plain steps, an uneven split with GradCache
 RUNS = [(3, None), (4, 2)]
+# The auxiliary losses alone (InfoNCE at zero weight), on uneven splits, so ranks hold different token counts:
+# (rows of rank 0, GradCache chunk, z_loss_coef).
+AUX_LOSS = dict(LOSS, matryoshka_weights=[0.0, 0.0], aux_loss_coef=1.0)
+AUX_RUNS = [(2, None, 0.0), (4, 3, 0.0), (2, None, 0.1)]
+
+
+def _words(words: list[str], start: int, n: int) -> str:
+    return " ".join(words[(start + j) % len(words)] for j in range(n))
+
+
+# Rows 0-2 and 3-5 route differently in the tiny model of seed 0 (the test checks it): the words of the first
+# rows go mostly to experts 1 and 2, those of the last rows more to expert 3.
+_A = ["green", "gold", "piano", "car", "train", "plane", "king", "number", "nine", "glass", "desert", "blue"]
+_B = ["stone", "water", "red", "cheese", "boils", "light"]
+AUX_TEXTS = (
+    [_words(_A, i, 3) for i in range(3)] + [_words(_B, i, 3) for i in range(3)],  # queries
+    [_words(_A, i + 5, 5) for i in range(3)] + [_words(_B, i + 2, 5) for i in range(3)],  # documents
+    [_words(_A, i + 7, 4) for i in range(3 * H)] + [_words(_B, i + 1, 4) for i in range(3 * H)],  # negatives
+)
 
 
 def _model():
@@ -45,17 +65,38 @@ def _model():
     return Embedder(Encoder(cfg), tok).double()
 
 
-def _step(model, rows: slice, chunk):
+def _batches(model, rows: slice, texts=TEXTS):
+    tok = model.tokenizer
+    queries, documents, negatives = texts
+    return tok(queries[rows]), tok(documents[rows]), tok(negatives[rows.start * H : rows.stop * H])
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, rows: slice, chunk, loss=LOSS, texts=TEXTS):
     from moembed.train.step import contrastive_step
 
-    tok = model.tokenizer
-    neg = NEGATIVES[rows.start * H : rows.stop * H]
     model.zero_grad()
-    result = contrastive_step(
-        model, tok(QUERIES[rows]), tok(DOCUMENTS[rows]), tok(neg), LossConfig(**LOSS), chunk_size=chunk
-    )
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return result, grads
+    result = contrastive_step(model, *_batches(model, rows, texts), LossConfig(**loss), chunk_size=chunk)
+    return result, _grads(model)
+
+
+def _aux_by_hand(model, rows: slice, z_coef: float = 0.0):
+    """Eq. 1 (+ z-loss) with r counted from the router logits of `rows` alone, gradients averaged over ranks.
+
+    In one process on all rows: the reference, the losses of the whole batch. On each rank with its own rows:
+    what the step computed before r was global (per-rank fractions, plain mean over ranks)."""
+    from moembed.losses.moe_aux import load_balancing_loss, router_z_loss
+
+    model.zero_grad()
+    outs = [model(b.input_ids, b.attention_mask, b.token_type_ids).encoder for b in _batches(model, rows, AUX_TEXTS)]
+    logits = torch.cat([o.router_logits[0] for o in outs])  # (N, E) the one MoE layer, all passes
+    loss = load_balancing_loss(logits, top_k=2) + z_coef * router_z_loss(logits)
+    loss.backward()
+    dist.all_reduce_gradients(model)
+    return dist.all_reduce_mean(loss.detach()).item(), _grads(model)
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -68,10 +109,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             with torch.no_grad():
                 next(model.parameters()).add_(1.0)
         dist.broadcast_parameters(model)
-        saved = []
-        for first, chunk in RUNS:
-            rows = slice(0, first) if rank == 0 else slice(first, len(QUERIES))
-            saved.append(_step(model, rows, chunk))
+        rows = lambda first: slice(0, first) if rank == 0 else slice(first, len(QUERIES))
+        saved = {
+            "runs": [_step(model, rows(first), chunk) for first, chunk in RUNS],
+            "aux": [_step(model, rows(first), chunk, dict(AUX_LOSS, z_loss_coef=z), AUX_TEXTS)
+                    for first, chunk, z in AUX_RUNS],
+            "per_rank": _aux_by_hand(model, rows(AUX_RUNS[0][0])),
+        }
         assert dist.all_gather_object(rank) == [0, 1]
         torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -84,9 +128,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """What each of 2 gloo ranks saved (one spawn for the tests of this module)."""
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_ranks_equal_one_process_with_the_whole_batch(two_ranks):
+    ranks = [r["runs"] for r in two_ranks]
     model = _model()
     single, single_grads = _step(model, slice(0, len(QUERIES)), None)
     for run in range(len(RUNS)):
@@ -101,6 +152,37 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
             assert torch.allclose(g0[name], g, atol=1e-9, rtol=0), name
 
 
+def test_aux_losses_of_two_ranks_equal_one_process_with_the_whole_batch(two_ranks):
+    """r_i of Eq. 1 from both ranks' counts and each rank's losses weighted by its token share: the averaged
+    gradient is that of the load-balancing (and z-) loss on the concatenated batch, plain and GradCache, although
+    the ranks hold different token counts and route differently. Per-rank fractions would not give it."""
+    from moembed.losses.moe_aux import routing_fractions
+
+    model = _model()
+    everything = slice(0, len(QUERIES))
+    for run, (first, chunk, z) in enumerate(AUX_RUNS):
+        reference, ref_grads = _aux_by_hand(model, everything, z)
+        (r0, g0), (r1, g1) = two_ranks[0]["aux"][run], two_ranks[1]["aux"][run]
+        tokens = [int(r.expert_counts[0].sum()) // 2 for r in (r0, r1)]  # N·k assignments → N tokens
+        assert min(tokens) < 0.7 * max(tokens), tokens  # the token shares are far from equal
+        f0, f1 = (routing_fractions(r.expert_counts)[0] for r in (r0, r1))  # (E,) each rank's own fractions
+        assert (f0 - f1).abs().max() > 0.05, (f0, f1)  # the halves route differently
+        for r in (r0, r1):  # the logged losses are those of the whole batch
+            assert r.loss == pytest.approx(reference, abs=1e-6) and r.contrastive == 0.0
+        assert g0.keys() == g1.keys() and any("router" in n for n in ref_grads)
+        for name in g0:  # parameters past the router (experts, later layers) get no gradient from these losses
+            g = ref_grads.get(name, torch.zeros_like(g0[name]))
+            assert torch.equal(g0[name], g1[name]), name
+            assert torch.allclose(g0[name], g, atol=1e-6, rtol=0), (run, name, (g0[name] - g).abs().max())
+
+    # As the halves route differently, per-rank fractions (the step before r was global) give another loss and
+    # another gradient than the whole batch: this test fails without global fractions.
+    reference, ref_grads = _aux_by_hand(model, everything)
+    per_rank, per_rank_grads = two_ranks[0]["per_rank"]
+    gap = max(float((per_rank_grads[n] - g).abs().max()) for n, g in ref_grads.items())
+    assert abs(per_rank - reference) > 1e-4 and gap > 1e-4, (per_rank, reference, gap)
+
+
 def test_collectives_are_identity_in_one_process():
     assert not dist.is_distributed() and dist.world_size() == 1 and dist.rank() == 0
     assert dist.init_from_env() is False  # no WORLD_SIZE: stays a plain process
@@ -111,5 +193,6 @@ def test_collectives_are_identity_in_one_process():
     assert torch.equal(t.grad, torch.full((3, 4), 2.0))
     assert dist.all_gather_object({"a": 1}) == [{"a": 1}]
     assert dist.all_reduce_mean(t.detach()) is not None and torch.equal(dist.all_reduce_mean(t.detach()), t.detach())
+    assert torch.equal(dist.all_reduce_sum(t.detach()), t.detach())
     assert dist.gather_sizes(5) == [5]
     dist.barrier()

@@ -80,6 +80,43 @@ def test_aux_gradient_parity_alone(make_tiny):
     assert router and all(g.abs().max() > 0 for g in router)
 
 
+def test_cached_aux_loss_uses_the_whole_batch_fractions(make_tiny, monkeypatch):
+    """Under GradCache r_i of Eq. 1 comes from the counts of the no-grad pass over all chunks (no extra forward):
+    the aux loss and its gradient equal the unchunked ones, whereas an aux loss computed chunk by chunk (r and p
+    of each chunk, averaged) would not."""
+    from moembed.train import step
+
+    model = make_tiny(moe=MoEConfig(num_experts=4, top_k=2), hidden_dropout=0.0, attention_dropout=0.0).double()
+    aux_only = LOSS.model_copy(update=dict(matryoshka_weights=[0.0, 0.0], z_loss_coef=0.0))
+    seen, routed = [], []
+    real = step.load_balancing_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["fractions"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step, "load_balancing_loss", spy)
+    model.encoder.layers[1].mlp.register_forward_hook(lambda m, i, o: routed.append(o[1].shape[0]))
+
+    plain = _run(model, None, aux_only)
+    routed.clear()
+    cached = _run(model, 2, aux_only)
+    _assert_same(plain, cached, tol=1e-6)
+    chunks = [c for b in _batches(model) for c in split_batch(b, 2)]
+    assert len(routed) == 2 * len(chunks)  # a no-grad pass and a replay per chunk, nothing more
+    assert len(seen) == 2  # one aux loss per step, not per chunk ...
+    torch.testing.assert_close(seen[1], seen[0], rtol=0, atol=0)  # ... on the fractions of the whole batch
+    assert sum(routed[: len(chunks)]) * 2 == int(cached[0].expert_counts[0].sum())
+
+    # Chunk by chunk, the same tokens give another loss gradient: the test above could fail.
+    model.zero_grad()
+    per_chunk = [model(c.input_ids, c.attention_mask, c.token_type_ids).encoder.router_logits for c in chunks]
+    torch.stack([real(z, 2) for z in per_chunk]).mean().backward()
+    router = next(n for n in plain[1] if "router" in n)
+    gap = (dict(model.named_parameters())[router].grad - plain[1][router]).abs().max()
+    assert gap > 1e-4, gap
+
+
 def _reference_chunked(model, batches, chunk_size, loss):
     """Plain autograd through the same chunks in the same order: what GradCache must reproduce with dropout on."""
     outs = [[model(c.input_ids, c.attention_mask, c.token_type_ids) for c in split_batch(b, chunk_size)] for b in batches]

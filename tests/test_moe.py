@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moembed.errors import MoembedError
-from moembed.losses.moe_aux import load_balancing_loss, router_entropy, router_z_loss
+from moembed.losses.moe_aux import load_balancing_loss, router_entropy, router_z_loss, routing_fractions
 from moembed.model.config import EncoderConfig, MoEConfig, nomic_v2_moe_base, tiny_config
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
 from moembed.model.moe import MoEBlock, set_dispatch
@@ -228,6 +228,64 @@ def test_aux_loss_gradient_reaches_router():
     _, logits, _ = blk(torch.randn(30, 32))
     load_balancing_loss(logits, top_k=2).backward()
     assert blk.router.weight.grad is not None and blk.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_load_balancing_loss_with_the_blocks_counts_as_fractions_is_unchanged(top_k):
+    # The blocks' expert_counts are per-layer routing assignments (N·k of them): as `fractions` they give the
+    # default loss and gradient bit for bit. Other fractions are really used: uniform ones give L = α exactly.
+    torch.manual_seed(5)
+    blocks = [MoEBlock(block_config(top_k=top_k)) for _ in range(2)]  # two MoE "layers"
+    outs = [blk(torch.randn(40, 32)) for blk in blocks]
+    logits = [o[1].detach().requires_grad_() for o in outs]  # (N, E) per layer
+    counts = [o[2] for o in outs]  # (E,) per layer
+    assert all(int(c.sum()) == 40 * top_k for c in counts)
+
+    def loss_and_grads(**kw):
+        for z in logits:
+            z.grad = None
+        loss = load_balancing_loss(logits, top_k, alpha=0.5, **kw)
+        loss.backward()
+        return loss.detach(), [z.grad.clone() for z in logits]
+
+    default, default_grads = loss_and_grads()
+    given, given_grads = loss_and_grads(fractions=routing_fractions(counts))
+    assert torch.equal(given, default) and all(map(torch.equal, given_grads, default_grads))
+    uniform, _ = loss_and_grads(fractions=[torch.full((4,), 0.25)] * 2)
+    torch.testing.assert_close(uniform, torch.tensor(0.5))
+    assert abs(float(default) - 0.5) > 1e-3  # the blocks' own routing is not uniform
+    with pytest.raises(ValueError, match="fractions"):
+        load_balancing_loss(logits, top_k, fractions=routing_fractions(counts[:1]))
+
+
+def test_global_fractions_weighted_by_token_share_give_the_whole_batch_loss():
+    # Two "ranks" of 10 and 30 tokens that route differently (rank 0 prefers expert 0, rank 1 expert 3).
+    # With r counted over both and each rank's loss weighted by its token share N_ρ/N, the sum is the loss of the
+    # concatenated batch, value and gradient (the equality in load_balancing_loss's docstring). The plain mean
+    # of the rank losses is not (unequal counts), nor are per-rank fractions; with equal counts the mean is.
+    torch.manual_seed(6)
+    bias = torch.tensor([[3.0, 0.0, 0.0, 0.0]] * 10 + [[0.0, 0.0, 0.0, 3.0]] * 30)
+    logits = (torch.randn(40, 4) + bias).requires_grad_()  # (N, E)
+    whole = load_balancing_loss(logits, top_k=2)
+    (whole_grad,) = torch.autograd.grad(whole, logits)
+
+    def combined(sizes, weights, global_r=True):
+        parts = logits.split(sizes)  # (N_ρ, E) per rank
+        counts = sum(torch.bincount(z.topk(2, dim=-1).indices.flatten(), minlength=4) for z in parts)  # (E,)
+        r = routing_fractions([counts]) if global_r else None
+        loss = sum(w * load_balancing_loss(z, top_k=2, fractions=r) for w, z in zip(weights, parts))
+        return loss, torch.autograd.grad(loss, logits)[0]
+
+    loss, grad = combined([10, 30], [10 / 40, 30 / 40])  # Σ_ρ (N_ρ/N)·L_ρ
+    torch.testing.assert_close(loss, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, whole_grad, rtol=0, atol=1e-6)
+    mean, mean_grad = combined([10, 30], [0.5, 0.5])  # the plain mean over ranks
+    assert abs(mean - whole) > 1e-3 and (mean_grad - whole_grad).abs().max() > 1e-3
+    per_rank, per_rank_grad = combined([10, 30], [10 / 40, 30 / 40], global_r=False)
+    assert abs(per_rank - whole) > 1e-3 and (per_rank_grad - whole_grad).abs().max() > 1e-3
+    equal, equal_grad = combined([20, 20], [0.5, 0.5])  # equal counts: the plain mean is the global loss
+    torch.testing.assert_close(equal, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(equal_grad, whole_grad, rtol=0, atol=1e-6)
 
 
 # ---- upcycling -------------------------------------------------------------------------------------------------

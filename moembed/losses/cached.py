@@ -14,7 +14,9 @@ Peak activation memory is that of one chunk; the result equals one big forward/b
 Matryoshka and the MoE auxiliary losses are just parts of the objective computed in step 2. For the auxiliary
 losses the router logits of every chunk are cached next to the embeddings (N tokens × E experts per MoE layer,
 small next to activations), the losses are computed once on their concatenation, and their gradients ride
-along in step 3. The plain path computes the same losses on the concatenation of its forward passes' router
+along in step 3. The expert counts of step 1, summed over chunks (`Encoded.expert_counts`), give the routing
+fractions r_i of the load-balancing loss for the whole batch (the step also sums them over ranks), so they need
+no extra forward pass. The plain path computes the same losses on the concatenation of its forward passes' router
 logits, so both paths optimise the same total loss with the same gradients (dropless routing; with a capacity
 factor, which tokens are dropped depends on the chunk and parity is lost).
 """

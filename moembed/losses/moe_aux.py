@@ -18,11 +18,21 @@ def _real_tokens(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> t
     return logits.float()
 
 
+def routing_fractions(counts: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """Per-layer routing-assignment counts → fractions r (the r_i of nomic-embed-v2 Eq. 1), float32, no gradient.
+
+    counts: one (E,) per MoE layer, or a stacked (L, E): assignments per expert, e.g. `EncoderOutput.expert_counts`
+    summed over passes, chunks or ranks. Each layer's fractions sum to 1 (zeros for a layer without assignments).
+    """
+    return [c.detach().float() / c.sum().clamp(min=1) for c in counts]  # (E,) each
+
+
 def load_balancing_loss(
     router_logits: Sequence[torch.Tensor] | torch.Tensor,
     top_k: int,
     attention_mask: torch.Tensor | None = None,
     alpha: float = 1.0,
+    fractions: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Load-balancing loss (nomic-embed-v2 Eq. 1, after Fedus et al. / Zoph et al.), averaged over MoE layers:
 
@@ -30,24 +40,42 @@ def load_balancing_loss(
 
     r_i: fraction of the N·k routing assignments that go to expert i (top-k of the softmax), no gradient;
     p_i: mean router probability of expert i over the real tokens. Perfectly balanced routing gives L = α.
+
+    `fractions` (one (E,) per layer, e.g. from `routing_fractions`) replaces r by precomputed fractions, typically
+    of a larger token set than these logits: the whole batch of a GradCache step, or all data-parallel ranks.
+    p stays the mean over these logits' tokens. Without it, r is counted from these logits.
+
+    Global r, local p. With r of all ranks' N = Σ_ρ N_ρ tokens, rank ρ's loss is L_ρ = α·E·Σ_i r_i·p_i^ρ, and
+    p_i^global = Σ_ρ (N_ρ / N)·p_i^ρ, so for each layer
+
+        Σ_ρ (N_ρ / N) · L_ρ = α·E·Σ_i r_i·p_i^global,
+
+    the loss of the whole batch (and, r being constant, its gradient). With W ranks that is the mean over ranks
+    of W·N_ρ/N · L_ρ; with equal token counts the weights are 1 and the plain mean of the per-rank losses is the
+    global loss. With unequal counts the plain mean is α·E·Σ_i r_i·(1/W)·Σ_ρ p_i^ρ, which over-weights the
+    probabilities of ranks with fewer tokens; `moembed.train.step` applies the weight W·N_ρ/N (`global_routing`).
     """
     if isinstance(router_logits, torch.Tensor):
         router_logits = (router_logits,)
     if len(router_logits) == 0:
         return torch.zeros(())
+    if fractions is not None and len(fractions) != len(router_logits):
+        raise ValueError(f"fractions: {len(fractions)} layers given for {len(router_logits)} layers of router logits")
     losses = []
-    for logits in router_logits:
+    for layer, logits in enumerate(router_logits):
         logits = _real_tokens(logits, attention_mask)  # (N, E)
         N, E = logits.shape
         if N == 0:
             losses.append(logits.sum() * 0.0)
             continue
         probs = logits.softmax(-1)  # (N, E)
-        chosen = probs.topk(top_k, dim=-1).indices  # (N, k)
-        r = torch.zeros(E, device=logits.device).index_add_(0, chosen.flatten(), torch.ones(N * top_k, device=logits.device))
-        r = r / (N * top_k)  # (E,) fractions, sum to 1
+        if fractions is None:
+            chosen = probs.topk(top_k, dim=-1).indices  # (N, k)
+            r = routing_fractions([torch.bincount(chosen.flatten(), minlength=E)])[0]  # (E,) sums to 1
+        else:
+            r = fractions[layer].detach().to(probs)  # (E,) precomputed, e.g. over all ranks and chunks
         p = probs.mean(0)  # (E,)
-        losses.append(alpha * E * (r * p).sum())
+        losses.append(alpha * E * (r * p).sum())  # Eq. 1
     return torch.stack(losses).mean()
 
 

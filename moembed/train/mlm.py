@@ -26,6 +26,7 @@ from moembed.model.config import EncoderConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
 from moembed.model.tokenizer import TextTokenizer
+from moembed.train.step import global_routing
 
 IGNORE = -100
 _SPECIAL = ("[CLS]", "[SEP]", "[PAD]", "<s>", "</s>", "<pad>", "<cls>", "<sep>")
@@ -76,7 +77,11 @@ class MLMModel(nn.Module):
         mlm = F.cross_entropy(logits.float(), labels[sel])
         aux = torch.zeros((), device=mlm.device)
         if out.router_logits and self.aux_loss_coef > 0:
-            aux = load_balancing_loss(out.router_logits, enc.config.moe.top_k, alpha=self.aux_loss_coef)
+            # r_i of nomic-embed-v2 Eq. 1 over all ranks' tokens, weighted by this rank's token share (step.py).
+            fractions, share = global_routing(out.expert_counts)
+            aux = load_balancing_loss(
+                out.router_logits, enc.config.moe.top_k, alpha=self.aux_loss_coef, fractions=fractions
+            ) * share
         return MLMOutput(mlm + aux, mlm.detach(), aux.detach(), int(sel.sum()), out.expert_counts)
 
 

@@ -16,7 +16,7 @@ from moembed.errors import MoembedError
 from moembed.losses.cached import Encoded, cached_backward, plain_backward
 from moembed.losses.config import LossConfig
 from moembed.losses.contrastive import false_negative_mask, matryoshka_info_nce, sequence_ids, text_ids
-from moembed.losses.moe_aux import load_balancing_loss, router_z_loss
+from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_fractions
 from moembed.model.embedder import Embedder
 from moembed.model.tokenizer import Batch
 
@@ -64,8 +64,10 @@ def contrastive_step(
             texts (hashed) or an int64 tensor. Default: the documents' token ids.
     Embeddings of all ranks are gathered with gradient, so every rank's documents are negatives for every query;
     each rank's contrastive term is its queries' share of the global mean, so averaging gradients over ranks
-    gives the gradient of the global-batch loss. The MoE auxiliary losses are computed on this rank's tokens
-    (their mean over ranks is what the averaged gradient optimises). Run inside `torch.autocast` for bf16.
+    gives the gradient of the global-batch loss. The MoE auxiliary losses likewise: the load-balancing loss takes
+    its routing fractions r from the expert counts of every rank's whole batch (all passes, all GradCache chunks;
+    see `global_routing`), and both auxiliary losses are weighted by this rank's share of the global tokens, so
+    the averaged gradient is that of the global-batch losses. Run inside `torch.autocast` for bf16.
     """
     bare = unwrap(model)
     B = queries.input_ids.shape[0]
@@ -137,11 +139,31 @@ def _objective(enc: Encoded, cfg: LossConfig, ids: torch.Tensor, sizes: list[int
     share = B * W / Bg
     contrastive = contrastive * share
     zero = contrastive.new_zeros(())
-    aux = load_balancing_loss(enc.router_logits, top_k).to(zero) if enc.router_logits else zero
-    z = router_z_loss(enc.router_logits).to(zero) if enc.router_logits else zero
+    aux = z = zero
+    if enc.router_logits:
+        # r_i of Eq. 1 over the global batch; `share` makes the mean over ranks the global loss (as for InfoNCE).
+        fractions, token_share = global_routing(enc.expert_counts)
+        aux = load_balancing_loss(enc.router_logits, top_k, fractions=fractions).to(zero) * token_share
+        z = router_z_loss(enc.router_logits).to(zero) * token_share
     total = contrastive + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
     logged = torch.stack([total, contrastive, aux, z] + [v * share for v in per_dim.values()]).detach()
     return total, (logged, list(per_dim), enc.expert_counts)
+
+
+def global_routing(expert_counts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+    """Routing fractions of the global batch and this rank's token share, for the MoE auxiliary losses.
+
+    expert_counts: this rank's routing assignments per MoE layer, (E,) each, over all of its tokens in the step
+        (every forward pass; under GradCache, the counts of the no-grad pass over all chunks).
+    Returns (r, share): r per layer (E,), the fractions of the counts summed over ranks (r_i of nomic-embed-v2
+    Eq. 1 for the global batch); share = W·N_rank / N_global, the weight that makes the mean over ranks of the
+    per-rank losses equal the global-batch loss (see `load_balancing_loss`). In one process: local r, share 1.
+    """
+    local = torch.stack([c.detach() for c in expert_counts])  # (L, E) assignments of this rank
+    total = dist.all_reduce_sum(local)  # (L, E) assignments of all ranks
+    # Every MoE layer routes every real token, so any layer's N·k gives the token share (k cancels).
+    share = dist.world_size() * float(local[0].sum()) / max(float(total[0].sum()), 1.0)
+    return routing_fractions(total), share
 
 
 def _gather_ids(ids: torch.Tensor, B: int, sizes: list[int]) -> torch.Tensor:
