@@ -86,3 +86,26 @@ def test_mismatched_checkpoint_is_refused(tmp_path):
     o2, s2 = build_optimizer(other, OptimConfig(), 10)
     with pytest.raises(MoembedError, match="model.safetensors: does not match"):
         CheckpointManager(tmp_path).load(path, other, o2, s2)
+
+
+def test_optimizer_is_fused_adamw_with_the_default_update():
+    # The trainer's AdamW uses torch's fused kernel where it applies; its update must be the one the default
+    # implementation computes (decay on matrices only), step after step.
+    m_fused, m_ref = _model(3), _model(3)
+    cfg = OptimConfig(weight_decay=0.1)
+    opt, _ = build_optimizer(m_fused, cfg, 10)
+    assert all(g["fused"] for g in opt.param_groups)
+    ref = torch.optim.AdamW(
+        [{"params": [p for p in m_ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in m_ref.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False,
+    )
+    for _ in range(5):
+        x = torch.randn(3, 4)
+        for m, o in ((m_fused, opt), (m_ref, ref)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    for a, b in zip(m_fused.parameters(), m_ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(m_fused[0].weight, _model(3)[0].weight)  # the steps moved the weights
