@@ -99,6 +99,20 @@ def _aux_by_hand(model, rows: slice, z_coef: float = 0.0):
     return dist.all_reduce_mean(loss.detach()).item(), _grads(model)
 
 
+def _mlm_aux(model, rows: slice) -> tuple[float, float]:
+    """The MLM stage's load-balancing term on queries + documents of `rows` (every real token a target), averaged
+    over ranks: (as MLMModel computes it, with per-rank fractions for comparison)."""
+    from moembed.losses.moe_aux import load_balancing_loss
+    from moembed.train.mlm import IGNORE, MLMModel
+
+    b = model.tokenizer(AUX_TEXTS[0][rows] + AUX_TEXTS[1][rows])
+    labels = b.input_ids.masked_fill(~b.attention_mask.bool(), IGNORE)
+    with torch.no_grad():
+        out = MLMModel(model, aux_loss_coef=1.0).double()(b.input_ids, labels, b.attention_mask)
+        local = load_balancing_loss(model.encoder(b.input_ids, b.attention_mask).router_logits, top_k=2)
+    return dist.all_reduce_mean(out.aux).item(), dist.all_reduce_mean(local).item()
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -115,6 +129,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             "aux": [_step(model, rows(first), chunk, dict(AUX_LOSS, z_loss_coef=z), AUX_TEXTS)
                     for first, chunk, z in AUX_RUNS],
             "per_rank": _aux_by_hand(model, rows(AUX_RUNS[0][0])),
+            "mlm_aux": _mlm_aux(model, rows(AUX_RUNS[0][0])),
         }
         assert dist.all_gather_object(rank) == [0, 1]
         torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
@@ -181,6 +196,15 @@ def test_aux_losses_of_two_ranks_equal_one_process_with_the_whole_batch(two_rank
     per_rank, per_rank_grads = two_ranks[0]["per_rank"]
     gap = max(float((per_rank_grads[n] - g).abs().max()) for n, g in ref_grads.items())
     assert abs(per_rank - reference) > 1e-4 and gap > 1e-4, (per_rank, reference, gap)
+
+
+def test_mlm_load_balancing_of_two_ranks_equals_one_process_with_the_whole_batch(two_ranks):
+    # The MLM stage takes r_i from all ranks' counts and weights by token share, as the contrastive step does:
+    # the mean over ranks is the whole batch's loss, which per-rank fractions (the halves route differently) miss.
+    whole, _ = _mlm_aux(_model(), slice(0, len(QUERIES)))
+    (mlm0, local0), (mlm1, _) = two_ranks[0]["mlm_aux"], two_ranks[1]["mlm_aux"]
+    assert mlm0 == mlm1 == pytest.approx(whole, abs=1e-6)
+    assert abs(local0 - whole) > 1e-4, (local0, whole)
 
 
 def test_collectives_are_identity_in_one_process():
