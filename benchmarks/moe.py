@@ -48,14 +48,19 @@ def infonce(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05) -> torc
     return F.cross_entropy(logits, torch.arange(q.shape[0]))
 
 
-def make_batches(model: Embedder, texts: list[str], batch: int, seq: int):
-    """Query/document batches of exactly `seq` tokens: two halves of long real texts, truncated."""
-    long = [t for t in texts if len(model.tokenizer.encode_ids([t])[0][0]) >= 2 * seq]
-    if len(long) < batch:
-        raise SystemExit(f"only {len(long)} texts have {2 * seq} tokens; need {batch}")
-    words = [t.split() for t in long[:batch]]
-    q = [" ".join(w[: len(w) // 2]) for w in words]
-    d = [" ".join(w[len(w) // 2 :]) for w in words]
+def make_batches(model: Embedder, texts: list[str], batch: int, seq: int, padded: bool = False):
+    """Query/document batches of at most `seq` tokens. Default: exactly `seq` tokens, no padding (two halves of
+    long real texts, truncated). `padded`: consecutive real texts of mixed length as query and document, so the
+    batches carry the padding a dense model that does not remove it computes on."""
+    if padded:
+        q, d = texts[0 : 2 * batch : 2], texts[1 : 2 * batch : 2]
+    else:
+        long = [t for t in texts if len(model.tokenizer.encode_ids([t])[0][0]) >= 2 * seq]
+        if len(long) < batch:
+            raise SystemExit(f"only {len(long)} texts have {2 * seq} tokens; need {batch}")
+        words = [t.split() for t in long[:batch]]
+        q = [" ".join(w[: len(w) // 2]) for w in words]
+        d = [" ".join(w[len(w) // 2 :]) for w in words]
     model.tokenizer.set_max_length(seq)
     qb, db = model.tokenizer(q), model.tokenizer(d)
     return (qb.input_ids, qb.attention_mask), (db.input_ids, db.attention_mask)
@@ -133,6 +138,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for training and encoding")
+    ap.add_argument("--padded", action="store_true", help="training batches of mixed-length texts (with padding)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -147,7 +153,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     models = {v: build(v, dense, path) for v in variants}
-    qb, db = make_batches(copy.deepcopy(dense), news_sentences(5000, seed=1), args.batch, args.seq)
+    qb, db = make_batches(copy.deepcopy(dense), news_sentences(5000, seed=1), args.batch, args.seq, args.padded)
     for m in models.values():
         if isinstance(m, Embedder):
             m.tokenizer.set_max_length(256)  # as sentence-transformers' all-MiniLM-L6-v2 (max_seq_length 256)
@@ -169,7 +175,8 @@ def main() -> None:
         for v in variants:
             enc[v].append(timed(lambda v=v: models[v].encode(texts, batch_size=args.encode_batch, bf16=args.bf16)))
 
-    print(f"threads={args.threads} bf16={args.bf16} batch={args.batch} pairs x {args.seq} tokens, "
+    real = int(qb[1].sum() + db[1].sum()) / (2 * qb[1].numel())
+    print(f"threads={args.threads} bf16={args.bf16} batch={args.batch} pairs x {args.seq} tokens ({real:.0%} real), "
           f"encode {len(texts)} texts in batches of {args.encode_batch}, {args.reps} reps (medians; wall and process CPU seconds)")
     print(f"{'variant':<12} {'step wall':>9} {'step cpu':>9} {'x dense':>8} {'enc wall':>9} {'enc cpu':>9} {'x dense':>8}")
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
