@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sentences import news_sentences  # noqa: E402
 
 from moembed.losses.moe_aux import load_balancing_loss  # noqa: E402
+from moembed.model.convert.upcycle import upcycle  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
 from moembed.model.encoder import GeluMLP  # noqa: E402
 from moembed.model.moe import set_dispatch  # noqa: E402
-from moembed.model.upcycle import upcycle  # noqa: E402
 
 VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-grouped", "moe-loop", "moe-naive", "moe-top1", "st-dense")
 

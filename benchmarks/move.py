@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from sentences import news_sentences  # noqa: E402
 
-from moembed.model.move import to_lookup  # noqa: E402
-from moembed.model.vocab_pair import build_vocab_pair  # noqa: E402
-from moembed.model.vocab_pair import make_embedder  # noqa: E402
+from moembed.data.vocab_pair import build_vocab_pair  # noqa: E402
+from moembed.data.vocab_pair import make_embedder  # noqa: E402
+from moembed.model.convert.lookup import to_lookup  # noqa: E402
 
 
 def news_corpus() -> list[str]:

@@ -1,8 +1,7 @@
 """moembed: train, evaluate and use text-embedding models with sparse Mixture-of-Experts encoders."""
 
-__version__ = "0.1.0"
-
-from moembed.errors import MoembedError  # noqa: E402
+from moembed.errors import MoembedError
+from moembed.version import __version__
 
 
 def __getattr__(name: str):

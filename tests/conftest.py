@@ -33,7 +33,7 @@ def make_tiny(minilm_path):
 
     Uses the real BERT WordPiece tokenizer (vocab 30,522) with a 32-wide, 2-layer encoder.
     """
-    from moembed.model.config import tiny_config
+    from moembed.model.presets import tiny_config
     from moembed.model.embedder import Embedder
     from moembed.model.encoder import Encoder
     from moembed.model.tokenizer import TextTokenizer

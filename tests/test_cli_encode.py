@@ -18,7 +18,7 @@ def run(*args, cwd=None):
 def tiny_dir(tmp_path_factory, minilm_path):
     import torch
 
-    from moembed.model.config import tiny_config
+    from moembed.model.presets import tiny_config
     from moembed.model.embedder import Embedder
     from moembed.model.encoder import Encoder
     from moembed.model.tokenizer import TextTokenizer

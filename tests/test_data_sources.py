@@ -12,7 +12,7 @@ from train_helpers import chatterbot_pairs, write_pairs
 from moembed.data.batching import PairBatchStream, SourceSampler, source_probabilities
 from moembed.data.sources import PairSource, SourceStats, TextSource
 from moembed.errors import MoembedError
-from moembed.train.config import SourceConfig
+from moembed.data.config import SourceConfig
 
 
 def _jsonl(path, records):

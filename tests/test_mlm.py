@@ -10,14 +10,15 @@ from train_helpers import chatterbot_pairs, write_texts
 
 from moembed.data.sources import SourceStats, TextSource
 from moembed.errors import MoembedError
-from moembed.train.config import SourceConfig, load_config
+from moembed.data.config import SourceConfig
+from moembed.model.convert.rotary import to_rotary
+from moembed.train.config import load_config
 from moembed.train.mlm import (
     IGNORE,
     MLMModel,
     PackedTextStream,
     Packer,
     mask_tokens,
-    to_rotary,
 )
 
 
@@ -90,7 +91,7 @@ def test_logits_only_at_masked_positions_and_tied_decoder(make_tiny):
     ids = torch.randint(1000, 2000, (3, 16))
     labels = torch.full_like(ids, IGNORE)
     labels[0, 2], labels[1, 5], labels[2, 7], labels[2, 8] = 11, 12, 13, 14
-    out = model(ids, labels)
+    out = model.loss(model(ids, labels))
     assert seen == [4] and out.num_masked == 4 and out.aux > 0
     out.loss.backward()
     word = emb.encoder.embeddings.word.weight

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from moembed.errors import MoembedError
-from moembed.losses.moe_aux import load_balancing_loss, router_entropy, router_z_loss, routing_fractions
-from moembed.model.config import EncoderConfig, MoEConfig, nomic_v2_moe_base, tiny_config
+from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_fractions
+from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
 from moembed.model.moe import MoEBlock, set_dispatch
-from moembed.model.upcycle import upcycle
-from moembed.model.utilisation import format_report, from_output, probe
+from moembed.model.convert.upcycle import upcycle
+from moembed.model.presets import nomic_v2_moe_base, tiny_config
+from moembed.model.utilisation import format_report, from_output, probe, router_entropy
 
 
 def real_texts(n: int = 24) -> list[str]:

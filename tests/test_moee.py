@@ -231,11 +231,11 @@ def test_sum_model_is_batch_independent_and_rejects_dim_precision(sources):
 
 def test_cache_hash_follows_mode_and_settings(sources):
     src = sources["olmoe"]
-    hs, rw = MoEEModel(src, "hs").content_hash, MoEEModel(src, "rw").content_hash
-    assert hs != rw and hs == MoEEModel(src, "hs").content_hash
+    hs, rw = MoEEModel(src, "hs").settings_key(), MoEEModel(src, "rw").settings_key()
+    assert hs != rw and hs == MoEEModel(src, "hs").settings_key()
     src.extract = ExtractConfig(rw_pooling="mean")
     try:
-        assert MoEEModel(src, "hs").content_hash != hs
+        assert MoEEModel(src, "hs").settings_key() != hs
     finally:
         src.extract = ExtractConfig()
 

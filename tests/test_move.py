@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from moembed.errors import MoembedError
-from moembed.model.config import MoVEConfig, tiny_config
+from moembed.data.vocab_pair import VocabPair, build_vocab_pair, make_embedder
+from moembed.model.config import MoVEConfig
+from moembed.model.convert.lookup import to_lookup
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
 from moembed.model.move import (
@@ -26,9 +28,8 @@ from moembed.model.move import (
     hash_balanced_routing,
     move_budget,
     semantic_routing,
-    to_lookup,
 )
-from moembed.model.vocab_pair import VocabPair, build_vocab_pair, make_embedder
+from moembed.model.presets import tiny_config
 
 VS, VL = 500, 2000
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_length=128)
@@ -211,7 +212,7 @@ def test_mlm_step_trains_the_move_layer(pair, corpus):
     ids, _ = _batch(emb, corpus[:4])
     g = torch.Generator().manual_seed(0)
     inputs, labels = mask_tokens(ids, 0.3, mask_id(emb.tokenizer), emb.config.vocab_size, special_ids(emb.tokenizer), g)
-    out = model(inputs, labels)
+    out = model.loss(model(inputs, labels))
     assert out.num_masked > 0 and torch.isfinite(out.loss)
     out.loss.backward()
     layer = emb.encoder.embeddings.word

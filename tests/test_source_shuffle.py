@@ -9,7 +9,8 @@ import pytest
 from moembed.data.sources import PairSource, SourceStats
 from moembed.errors import MoembedError
 from moembed.train.build import build_pair_stream
-from moembed.train.config import SourceConfig, load_config
+from moembed.data.config import SourceConfig
+from moembed.train.config import load_config
 
 N, BLOCK = 53, 10  # 5 full blocks and a short one of 3
 

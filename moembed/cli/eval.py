@@ -35,20 +35,20 @@ def _precisions(value: str) -> list[str]:
 
 
 def _load_model(path: Path, moee_sum: float | None):
-    """The model and the hash of its weights file (model.safetensors when present)."""
-    from moembed.eval.encoding import content_hash, file_hash
+    """The model and the hash of its weights file (model.safetensors when present), for the results."""
+    from moembed.eval.encoding import file_hash
 
     if moee_sum is not None:
         from moembed.moee.combine import load_moee
 
-        # The MoEE model's embeddings differ from its source model's: its own hash covers mode and settings.
+        # The MoEE model's embeddings differ from its source model's: its key covers mode and settings.
         model = load_moee(path, mode="sum", alpha=moee_sum)
-        return model, content_hash(model)
+        return model, model.settings_key()
     from moembed.model.embedder import Embedder
 
     model = Embedder.load(path)
     st = path / "model.safetensors"
-    return model, file_hash(st) if st.exists() else content_hash(model)
+    return model, file_hash(st) if st.exists() else model.settings_key()
 
 
 def eval_cmd(
@@ -91,7 +91,7 @@ def eval_cmd(
     loaded = [load_task(d) for d in dirs]  # every task is validated before any model work
     lengths, dim_list, precs = _ints(max_lengths, "--max-lengths"), _ints(dims, "--dims"), _precisions(precisions)
     emb, model_hash = _load_model(model, moee_sum)
-    cache = EmbeddingCache(cache_dir, model_hash) if cache_dir else None
+    cache = EmbeddingCache(cache_dir) if cache_dir else None
     if dim_list or precs != ["float32"]:
         results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=True)
     else:

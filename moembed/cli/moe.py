@@ -24,8 +24,8 @@ def upcycle(
 ) -> None:
     """Copy each replaced dense MLP into all experts of its layer, with a fresh router, and save."""
     from moembed.cli.models import count_parameters
+    from moembed.model.convert.upcycle import upcycle as do_upcycle
     from moembed.model.embedder import Embedder
-    from moembed.model.upcycle import upcycle as do_upcycle
 
     dense = Embedder.load(model)
     moe = do_upcycle(dense, experts, top_k, every, offset=offset, renormalize=renormalize, noise=noise, seed=seed)

@@ -39,9 +39,9 @@ def build_vocab(
     lowercase: bool = typer.Option(True, help="lowercase and strip accents before BPE (as `moembed tokenizer train`)"),
 ) -> None:
     """Train a BPE to |V_l| on text files, cut V_s from its first merges, decompose V_l into V_s (φ) and route."""
+    from moembed.data.vocab_pair import build_vocab_pair
     from moembed.errors import MoembedError
     from moembed.model.move import expert_mass, move_budget
-    from moembed.model.vocab_pair import build_vocab_pair
 
     corpus = _read_corpus(texts, max_texts)
     if routing not in ("hash", "learned", "semantic"):
@@ -89,8 +89,8 @@ def init(
     import torch
     from pydantic import ValidationError
 
+    from moembed.data.vocab_pair import VocabPair, make_embedder
     from moembed.errors import MoembedError, config_error
-    from moembed.model.vocab_pair import VocabPair, make_embedder
 
     if family not in ("bert", "nomic"):
         raise MoembedError(f"--family: unknown {family!r}; choose bert or nomic")
@@ -115,8 +115,8 @@ def export(
 ) -> None:
     """Precompute the |V_l| x d MoVE table and save a model whose embedding layer is a plain lookup."""
     from moembed.errors import MoembedError
+    from moembed.model.convert.lookup import to_lookup
     from moembed.model.embedder import Embedder
-    from moembed.model.move import to_lookup
 
     emb = Embedder.load(model)
     if emb.config.move is None:

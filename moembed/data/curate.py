@@ -33,7 +33,7 @@ from moembed.data.filtering import consistency_keep
 from moembed.data.mining import MiningConfig, mine
 from moembed.data.pairs import ReadStats, iter_shards
 from moembed.data.search import BACKENDS
-from moembed.data.teacher import embed, load_teacher
+from moembed.data.teacher import Teacher, embed, load_teacher
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
 
@@ -123,12 +123,12 @@ def _search_shard(rows, q_emb, q_pos, docs, d_emb, d_pos, cfg: CurateConfig) -> 
 
 
 class _LazyTeacher:
-    """Loads the teacher on first use, so a fully resumed run never loads it. Also accepts a loaded model."""
+    """Loads the teacher on first use, so a fully resumed run never loads it. Also accepts a loaded `Teacher`."""
 
-    def __init__(self, teacher):
+    def __init__(self, teacher: Teacher | str | Path):
         loaded = not isinstance(teacher, (str, Path))
         self._model = teacher if loaded else None
-        self.path = str(getattr(teacher, "name", "teacher")) if loaded else str(teacher)
+        self.path = str(teacher.name) if loaded else str(teacher)
 
     def __call__(self):
         if self._model is None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from moembed.errors import MoembedError
-from moembed.train.config import SourceConfig
+from moembed.data.config import SourceConfig
 
 
 @dataclass

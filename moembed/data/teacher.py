@@ -2,23 +2,36 @@
 
 `load_teacher(path)` tries `Embedder.load` first (moembed, Hugging Face BERT, sentence-transformers over BERT).
 A sentence-transformers directory with another architecture (e.g. all-mpnet-base-v2, MPNet) falls back to
-`SentenceTransformerTeacher`, which offers the same `encode` interface. `embed_roles` embeds queries and documents
-L2-normalised (inner product = cosine) and, under torchrun, splits the texts across ranks.
+`SentenceTransformerTeacher`. Both are `Teacher`s: `moembed.model.protocol.EmbeddingModel`s whose `encode` also
+takes `normalize` and `bf16`. `embed` embeds queries and documents L2-normalised (inner product = cosine) and,
+under torchrun, splits the texts across ranks.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from moembed import distributed
 from moembed.errors import MoembedError
+from moembed.model.embedder import Embedder
+from moembed.model.protocol import EmbeddingModel, weights_key
+
+
+@runtime_checkable
+class Teacher(EmbeddingModel, Protocol):
+    """An embedding model whose `encode` also takes `normalize` (L2, for cosine search) and `bf16` (autocast)."""
+
+    def encode(self, texts: list[str] | str, prompt: str | None = None, dim: int | None = None,
+               precision: str = "float32", batch_size: int = 32, normalize: bool | None = None,
+               show_progress: bool = False, bf16: bool = False) -> np.ndarray: ...
 
 
 class SentenceTransformerTeacher:
-    """A `sentence_transformers.SentenceTransformer` behind moembed's `encode` interface (float32 only)."""
+    """A `sentence_transformers.SentenceTransformer` as a `Teacher` (float32 only)."""
 
     def __init__(self, path: str | Path):
         try:
@@ -43,11 +56,12 @@ class SentenceTransformerTeacher:
             x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
         return x.astype(np.float32)
 
+    def settings_key(self) -> str:
+        return weights_key(self.model)
 
-def load_teacher(path: str | Path):
-    """An object with `encode(texts, prompt=, batch_size=, normalize=, show_progress=, bf16=)` and `prompts`."""
-    from moembed.model.embedder import Embedder
 
+def load_teacher(path: str | Path) -> Teacher:
+    """An `Embedder` when moembed reads the directory, else a `SentenceTransformerTeacher`."""
     try:
         return Embedder.load(path)
     except MoembedError as first:
@@ -61,12 +75,12 @@ def load_teacher(path: str | Path):
         return SentenceTransformerTeacher(path)
 
 
-def _prompt(teacher, name: str) -> str | None:
+def _prompt(teacher: Teacher, name: str) -> str | None:
     # A missing prompt means "no prefix" (e.g. all-MiniLM-L6-v2 has none; Nomic models have search_query).
-    return name if name in (getattr(teacher, "prompts", None) or {}) else None
+    return name if name in teacher.prompts else None
 
 
-def embed(teacher, texts: list[str], role: str, batch_size: int = 32, bf16: bool = False,
+def embed(teacher: Teacher, texts: list[str], role: str, batch_size: int = 32, bf16: bool = False,
           show_progress: bool = False) -> np.ndarray:
     """L2-normalised float32 (n, d) embeddings; role "query" or "document" picks the search prompt.
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from moembed.eval.encoding import EmbeddingCache, View, content_hash
-from moembed.eval.runner import MAIN_SCORE, TaskResult, run_task
-from moembed.eval.task import Task, load_task
+from moembed.eval.encoding import EmbeddingCache, View
+from moembed.eval.registry import TASK_TYPES, load_task
+from moembed.eval.runner import TaskResult, run_task
+from moembed.eval.task import Task
 
 
 def evaluate(
@@ -28,7 +29,8 @@ def evaluate(
     chunk_size: int = 10_000,
     query_block: int = 256,
 ) -> list[TaskResult]:
-    """Evaluate `model` on task directories (or loaded Tasks); one TaskResult per task, in order.
+    """Evaluate `model` (a `moembed.model.protocol.EmbeddingModel`) on task directories (or loaded Tasks); one
+    TaskResult per task, in order.
 
     dim: Matryoshka truncation (None: full); precision: float32 | int8 | binary — for int8 a model without
     calibration is calibrated in place on the tasks' texts; cache_dir: reuse embeddings across runs;
@@ -40,9 +42,9 @@ def evaluate(
         from moembed.eval.sweep import ensure_int8
 
         ensure_int8(model, loaded)  # int8 ranges from the task texts when the model has no calibration
-    cache = EmbeddingCache(cache_dir, content_hash(model)) if cache_dir else None
+    cache = EmbeddingCache(cache_dir) if cache_dir else None
     view = View(dim, precision, batch_size)
     return [run_task(model, t, view, cache, use_faiss, chunk_size, query_block) for t in loaded]
 
 
-__all__ = ["MAIN_SCORE", "EmbeddingCache", "Task", "TaskResult", "View", "evaluate", "load_task"]
+__all__ = ["TASK_TYPES", "EmbeddingCache", "Task", "TaskResult", "View", "evaluate", "load_task"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from moembed.errors import MoembedError
 from moembed.eval.report import _setting, read_results
-from moembed.fileio import atomic_path
+from moembed.figures import new_figure, save_png
 
 
 def _key(e: dict) -> tuple[str, str, str]:
@@ -49,24 +49,17 @@ def compare_markdown(dirs: list[str | Path]) -> str:
 
 def compare_plot(dirs: list[str | Path], path: str | Path) -> Path:
     """Grouped bars: one group per (task, setting), one bar per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     names, keys, rows = compare_table(dirs)
     x = np.arange(len(keys))
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(keys) + 2), 4))
+    fig = new_figure((max(6, 0.9 * len(keys) + 2), 4))
+    ax = fig.subplots()
     for j, name in enumerate(names):
         ax.bar(x + j * width, [(r[j] or 0.0) * 100 for r in rows], width, label=name)
     ax.set_xticks(x + width * (len(names) - 1) / 2, [f"{k[0]}\n{k[2]}" for k in keys], fontsize=7)
     ax.set(ylabel="main score (×100)", title="Model comparison")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)

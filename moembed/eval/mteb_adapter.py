@@ -6,11 +6,12 @@
     >>> mteb.evaluate(enc, mteb.get_tasks(tasks=["SciFact"]))       # needs internet for the task data
 
 mteb calls `encode(inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kwargs)` with a DataLoader
-of batches {"text": [...]} and expects an array (n, d). The prefix follows the Nomic convention
-(nomic-embed-v1 §5.1): retrieval-like tasks use "search_query" for queries and "search_document" for documents;
-classification uses "classification", clustering "clustering"; STS, pair classification, bitext mining,
-summarization and regression (symmetric tasks) use "classification". A model without the named prompt gets
-no prefix. `similarity` is the model's own when it has one (MoEE sum form), cosine otherwise.
+of batches {"text": [...]} and expects an array (n, d). The prefix is that of the matching moembed task type
+(`moembed.eval.registry.TASK_TYPES`, the Nomic convention of nomic-embed-v1 §5.1): retrieval-like tasks use
+"search_query" for queries and "search_document" for documents; classification uses "classification",
+clustering "clustering"; STS, pair classification, bitext mining, summarization and regression (symmetric
+tasks, read as STS) use "classification". A model without the named prompt gets no prefix. `similarity` is the
+model's own when it has one (MoEE sum form), cosine otherwise.
 """
 
 from __future__ import annotations
@@ -19,28 +20,36 @@ from typing import Any
 
 import numpy as np
 
-from moembed.eval.encoding import content_hash, prompt_name
+from moembed.eval.encoding import pairwise, prompt_name
 from moembed.eval.encoding import similarity as _similarity
+from moembed.eval.registry import TASK_TYPES
 
-RETRIEVAL_TYPES = {"Retrieval", "Reranking", "InstructionRetrieval", "InstructionReranking"}
-TYPE_PROMPTS = {
+# MTEB's task types → the moembed task type whose prompts they take.
+MTEB_TYPES = {
+    "Retrieval": "retrieval",
+    "InstructionRetrieval": "retrieval",
+    "Reranking": "reranking",
+    "InstructionReranking": "reranking",
     "Classification": "classification",
     "MultilabelClassification": "classification",
     "Clustering": "clustering",
-    "STS": "classification",
-    "PairClassification": "classification",
-    "BitextMining": "classification",
-    "Summarization": "classification",
-    "Regression": "classification",
+    "STS": "sts",
+    "PairClassification": "pair_classification",
+    "BitextMining": "sts",
+    "Summarization": "sts",
+    "Regression": "sts",
 }
 
 
 def prompt_for(task_type: str, prompt_type: Any | None) -> str | None:
-    """The moembed prompt name for an MTEB task type and PromptType ("query" | "document" | None)."""
+    """The moembed prompt name for an MTEB task type and PromptType ("query" | "document" | None).
+
+    An explicit query or document role takes the retrieval prompts, whatever the task type."""
     kind = getattr(prompt_type, "value", prompt_type)
-    if task_type in RETRIEVAL_TYPES or kind in ("query", "document"):
-        return "search_document" if kind == "document" else "search_query"
-    return TYPE_PROMPTS.get(task_type)
+    own = TASK_TYPES["retrieval"] if kind in ("query", "document") else TASK_TYPES.get(MTEB_TYPES.get(task_type, ""))
+    if own is None:
+        return None
+    return own.document_prompt if kind == "document" else own.query_prompt
 
 
 def _texts(inputs) -> list[str]:
@@ -59,7 +68,7 @@ def _texts(inputs) -> list[str]:
 
 
 class MtebEncoder:
-    """mteb EncoderProtocol over a moembed model (anything with `encode`, `name`, `prompts`, `dim`)."""
+    """mteb EncoderProtocol over a moembed `EmbeddingModel` (`encode`, `name`, `prompts`, `dim`, `settings_key`)."""
 
     def __init__(self, model, batch_size: int = 32, dim: int | None = None):
         self.model = model
@@ -77,8 +86,6 @@ class MtebEncoder:
         return _similarity(self.model, np.atleast_2d(np.asarray(embeddings1)), np.atleast_2d(np.asarray(embeddings2)))
 
     def similarity_pairwise(self, embeddings1, embeddings2) -> np.ndarray:
-        from moembed.eval.encoding import pairwise
-
         return pairwise(self.model, np.atleast_2d(np.asarray(embeddings1)), np.atleast_2d(np.asarray(embeddings2)))
 
     @property
@@ -87,8 +94,8 @@ class MtebEncoder:
 
         name = self.model.name if "/" in self.model.name else f"moembed/{self.model.name}"
         try:
-            revision = content_hash(self.model)
-        except Exception:  # a model without hashable weights still runs; MTEB only files results by revision
+            revision = self.model.settings_key()
+        except Exception:  # a model without a settings key still runs; MTEB only files results by revision
             revision = "unknown"
         return ModelMeta.create_empty({"name": name, "revision": revision, "embed_dim": self.dim or self.model.dim,
                                        "similarity_fn_name": "cosine", "framework": ["PyTorch"]})

@@ -15,10 +15,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from moembed import __version__
 from moembed.errors import MoembedError
 from moembed.eval.runner import TaskResult
+from moembed.figures import new_figure, save_png
 from moembed.fileio import atomic_path
+from moembed.version import __version__
 
 SCHEMA_KEYS = ("task_name", "task_type", "split", "scores", "main_score", "evaluation_time", "dim", "precision",
                "max_length", "dynamic_ntk", "model_name", "model_hash", "moembed_version")
@@ -72,14 +73,12 @@ def markdown_table(doc: dict) -> str:
 
 
 def _plot(path: Path, title: str, xlabel: str, series: dict[str, list[tuple]], categorical: bool = False) -> None:
-    import matplotlib
+    from matplotlib import colormaps
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig = new_figure((9, 4.5))
+    ax = fig.subplots()
     tasks = sorted({label.split(" ")[0] for label in series})
-    colors = {t: plt.cm.tab10(i % 10) for i, t in enumerate(tasks)}
+    colors = {t: colormaps["tab10"](i % 10) for i, t in enumerate(tasks)}
     styles = {"int8": "--", "binary": ":", "no-ntk": "--"}
     for label, pts in sorted(series.items()):
         xs, ys = zip(*pts)
@@ -90,9 +89,7 @@ def _plot(path: Path, title: str, xlabel: str, series: dict[str, list[tuple]], c
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    save_png(fig, path, bbox_inches="tight")
 
 
 def write_plots(doc: dict, out: Path) -> list[Path]:

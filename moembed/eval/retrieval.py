@@ -9,12 +9,16 @@ embeddings at once. With `use_faiss` each chunk is searched with an exact FAISS 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from moembed.errors import MoembedError
+from moembed.eval import readers
 from moembed.eval.encoding import EmbeddingCache, View, encode, normalize, similarity
 from moembed.eval.metrics import retrieval_scores
-from moembed.eval.task import Task
+from moembed.eval.task import RunOptions, Task, TaskType
+from moembed.model.protocol import OwnSimilarity
 
 TOP_K = 100
 
@@ -68,18 +72,55 @@ def search(model, q: np.ndarray, corpus_chunks, k: int = TOP_K, query_block: int
 def run_retrieval(model, task: Task, view: View, cache: EmbeddingCache | None = None, chunk_size: int = 10_000,
                   query_block: int = 256, use_faiss: bool = False) -> dict[str, float]:
     """Scores of `model` on a loaded retrieval task."""
-    if use_faiss and hasattr(model, "similarity"):
+    if use_faiss and isinstance(model, OwnSimilarity):
         raise MoembedError("--faiss: this model scores with its own similarity function; FAISS needs cosine")
     data = task.data
     qids = sorted(data["qrels"])
     doc_ids = list(data["corpus"])
-    q = encode(model, [data["queries"][x] for x in qids], "search_query", view, cache)
+    q = encode(model, [data["queries"][x] for x in qids], Retrieval.query_prompt, view, cache)
 
     def chunks():
         for s in range(0, len(doc_ids), chunk_size):
             texts = [data["corpus"][x] for x in doc_ids[s : s + chunk_size]]
-            yield s, encode(model, texts, "search_document", view, cache)
+            yield s, encode(model, texts, Retrieval.document_prompt, view, cache)
 
     scores, idx = search(model, q, chunks(), TOP_K, query_block, use_faiss)
     run = {qid: {doc_ids[j]: float(s) for s, j in zip(scores[r], idx[r])} for r, qid in enumerate(qids)}
     return retrieval_scores(run, data["qrels"])
+
+
+def read_retrieval(path: Path, split: str) -> dict:
+    """corpus.jsonl, queries.jsonl and qrels/<split>.tsv; qrels must name known ids."""
+    corpus = readers.id_texts(path / "corpus.jsonl", with_title=True)
+    queries = readers.id_texts(path / "queries.jsonl", with_title=False)
+    qfile = path / "qrels" / f"{split}.tsv"
+    qrels: dict[str, dict[str, int]] = {}
+    for i, qid, did, score in readers.read_qrels(qfile):
+        if qid not in queries:
+            raise MoembedError(f"{qfile}:{i}: unknown query-id {qid!r} (not in queries.jsonl)")
+        if did not in corpus:
+            raise MoembedError(f"{qfile}:{i}: unknown corpus-id {did!r} (not in corpus.jsonl)")
+        qrels.setdefault(qid, {})[did] = score
+    qrels = {q: d for q, d in qrels.items() if any(s > 0 for s in d.values())}
+    if not qrels:
+        raise MoembedError(f"{qfile}: empty task (no query has a relevant document)")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}
+
+
+class Retrieval(TaskType):
+    """BEIR layout: `corpus.jsonl` {"_id","title","text"}, `queries.jsonl` {"_id","text"},
+    `qrels/<split>.tsv` with header `query-id  corpus-id  score`."""
+
+    name = "retrieval"
+    main_score = "ndcg_at_10"
+    query_prompt, document_prompt = "search_query", "search_document"
+    detect_files = ("corpus.jsonl", "queries.jsonl", "qrels")
+
+    def read(self, path: Path, split: str) -> dict:
+        return read_retrieval(path, split)
+
+    def run(self, model, task: Task, view: View, cache: EmbeddingCache | None, options: RunOptions) -> dict[str, float]:
+        return run_retrieval(model, task, view, cache, options.chunk_size, options.query_block, options.use_faiss)
+
+    def texts(self, data: dict) -> list[str]:
+        return list(data["corpus"].values())

@@ -6,17 +6,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from moembed.eval.encoding import EmbeddingCache, View
-from moembed.eval.task import Task
-
-# MTEB's main score per task type.
-MAIN_SCORE = {
-    "retrieval": "ndcg_at_10",
-    "sts": "spearman",
-    "classification": "accuracy",
-    "clustering": "v_measure",
-    "pair_classification": "ap",
-    "reranking": "map",
-}
+from moembed.eval.registry import TASK_TYPES
+from moembed.eval.task import RunOptions, Task
+from moembed.model.embedder import Embedder
 
 
 @dataclass
@@ -42,28 +34,17 @@ class TaskResult:
 
 def run_task(model, task: Task, view: View, cache: EmbeddingCache | None = None, use_faiss: bool = False,
              chunk_size: int = 10_000, query_block: int = 256) -> TaskResult:
-    """Evaluate `model` on `task` with embeddings taken as `view` says."""
-    from moembed.eval.classification import run_classification
-    from moembed.eval.clustering import run_clustering
-    from moembed.eval.pair_classification import run_pairs
-    from moembed.eval.reranking import run_reranking
-    from moembed.eval.retrieval import run_retrieval
-    from moembed.eval.sts import run_sts
-
+    """Evaluate `model` (an `EmbeddingModel`) on `task` with embeddings taken as `view` says."""
+    kind = TASK_TYPES[task.type]
     t0 = time.perf_counter()
-    if task.type == "retrieval":
-        scores = run_retrieval(model, task, view, cache, chunk_size, query_block, use_faiss)
-    else:
-        fn = {"sts": run_sts, "classification": run_classification, "clustering": run_clustering,
-              "pair_classification": run_pairs, "reranking": run_reranking}[task.type]
-        scores = fn(model, task, view, cache)
+    scores = kind.run(model, task, view, cache, RunOptions(use_faiss, chunk_size, query_block))
     elapsed = time.perf_counter() - t0
-    tok = getattr(model, "tokenizer", None)
-    cfg = getattr(getattr(model, "encoder", None), "config", None)
+    # The length settings of moembed's own encoders are part of the result (long-context sweeps vary them).
+    own = model if isinstance(model, Embedder) else None
     return TaskResult(
         task_name=task.name, task_type=task.type, split=task.split, scores=scores,
-        main_score=scores[MAIN_SCORE[task.type]], evaluation_time=round(elapsed, 3),
-        dim=view.dim or getattr(model, "dim", None), precision=view.precision,
-        max_length=getattr(tok, "max_length", None),
-        dynamic_ntk=getattr(cfg, "dynamic_ntk", None) if getattr(cfg, "position", None) == "rotary" else None,
+        main_score=scores[kind.main_score], evaluation_time=round(elapsed, 3),
+        dim=view.dim or model.dim, precision=view.precision,
+        max_length=own.max_length if own is not None else None,
+        dynamic_ntk=own.config.dynamic_ntk if own is not None and own.config.position == "rotary" else None,
     )

@@ -6,18 +6,33 @@ non-retrieval MTEB tasks with the classification prefix; a model without that pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from scipy.stats import pearsonr, spearmanr
 
-from moembed.eval.encoding import EmbeddingCache, View, encode, pairwise
-from moembed.eval.task import Task
+from moembed.eval import readers
+from moembed.eval.encoding import EmbeddingCache, View
+from moembed.eval.task import RunOptions, SentencePairType, Task
 
-PROMPT = "classification"
 
+class STS(SentencePairType):
+    """`<split>.jsonl` {"sentence1","sentence2","score"} (score a number)."""
 
-def run_sts(model, task: Task, view: View, cache: EmbeddingCache | None = None) -> dict[str, float]:
-    rows = task.data["rows"]
-    a = encode(model, [r[0] for r in rows], PROMPT, view, cache)
-    b = encode(model, [r[1] for r in rows], PROMPT, view, cache)
-    sims = pairwise(model, a, b)  # (n,)
-    gold = [r[2] for r in rows]
-    return {"spearman": float(spearmanr(sims, gold).statistic), "pearson": float(pearsonr(sims, gold).statistic)}
+    name = "sts"
+    main_score = "spearman"
+    query_prompt = document_prompt = "classification"
+    detect_keys = frozenset({"sentence1", "sentence2", "score"})
+
+    def read(self, path: Path, split: str) -> dict:
+        f = path / f"{split}.jsonl"
+        rows = [
+            (readers.string(f, i, r, "sentence1"), readers.string(f, i, r, "sentence2"), readers.number(f, i, r, "score"))
+            for i, r in readers.records(f, ("sentence1", "sentence2", "score"))
+        ]
+        readers.nonempty(f, rows)
+        return {"rows": rows}
+
+    def run(self, model, task: Task, view: View, cache: EmbeddingCache | None, options: RunOptions) -> dict[str, float]:
+        sims = self.similarities(model, task, view, cache)  # (n,)
+        gold = [r[2] for r in task.data["rows"]]
+        return {"spearman": float(spearmanr(sims, gold).statistic), "pearson": float(pearsonr(sims, gold).statistic)}

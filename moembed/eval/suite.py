@@ -34,7 +34,7 @@ def _retrieval(name: str, work: Path, out: Path, seed: int) -> None:
 
 def _reranking(src: Path, out: Path, seed: int, n_queries: int = 100, n_neg: int = 9) -> None:
     """Candidate lists from a retrieval test split: the relevant documents plus random other split documents."""
-    from moembed.eval.task import load_task
+    from moembed.eval.registry import load_task
 
     data = load_task(src).data
     rng = random.Random(seed)

@@ -20,8 +20,11 @@ from tqdm.auto import tqdm
 
 from moembed.errors import MoembedError
 from moembed.eval.encoding import EmbeddingCache, View
+from moembed.eval.registry import TASK_TYPES
 from moembed.eval.runner import TaskResult, run_task
 from moembed.eval.task import Task
+from moembed.model.embedder import Embedder
+from moembed.model.protocol import OwnSimilarity, Quantizes
 
 
 def retained(results: list[TaskResult]) -> list[TaskResult]:
@@ -38,24 +41,16 @@ def calibration_texts(tasks: Sequence[Task], limit: int = 10_000) -> list[str]:
     """Texts of the evaluated tasks that set int8 ranges (corpus documents first)."""
     texts: list[str] = []
     for t in tasks:
-        d = t.data
-        if t.type == "retrieval":
-            texts += list(d["corpus"].values())
-        elif t.type in ("classification", "clustering"):
-            texts += [x for x, _ in d["test"]]
-        elif t.type in ("sts", "pair_classification"):
-            texts += [r[0] for r in d["rows"]] + [r[1] for r in d["rows"]]
-        elif t.type == "reranking":
-            texts += [x for r in d["rows"] for x in r[1] + r[2]]
+        texts += TASK_TYPES[t.type].texts(t.data)
     return texts[:limit]
 
 
 def ensure_int8(model, tasks: Sequence[Task]) -> str:
     """Calibrate the model on task texts if it has no int8 ranges yet; returns a note for the report."""
-    if getattr(model, "calibration", None) is not None:
+    if not isinstance(model, Quantizes):
+        raise MoembedError(f"precision int8: model {model.name!r} has no calibrate()")
+    if model.calibration is not None:
         return "int8 ranges from the model's stored calibration"
-    if not hasattr(model, "calibrate"):
-        raise MoembedError(f"precision int8: model {getattr(model, 'name', '?')!r} has no calibrate()")
     texts = calibration_texts(tasks)
     prompt = "search_document" if "search_document" in (model.prompts or {}) else None
     model.calibrate(texts, prompt=prompt)
@@ -66,7 +61,7 @@ def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, p
                      batch_size: int = 32, cache: EmbeddingCache | None = None, use_faiss: bool = False,
                      progress: bool = False) -> list[TaskResult]:
     """Score every task at each (dim, precision); the full dim float32 run is always included as reference."""
-    if hasattr(model, "similarity") and (set(dims or []) - {model.dim} or set(precisions) - {"float32"}):
+    if isinstance(model, OwnSimilarity) and (set(dims or []) - {model.dim} or set(precisions) - {"float32"}):
         raise MoembedError("--dims/--precisions: this model scores with its own similarity; sweep the base model")
     full = model.dim
     dims = sorted({full, *(dims or [])}, reverse=True)
@@ -88,9 +83,9 @@ def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, p
 def long_context_sweep(model, tasks: Sequence[Task], max_lengths: Sequence[int], batch_size: int = 32,
                        cache: EmbeddingCache | None = None, progress: bool = False) -> list[TaskResult]:
     """Retrieval at each maximum length, with and without Dynamic NTK (rotary models only)."""
-    tok, cfg = getattr(model, "tokenizer", None), getattr(getattr(model, "encoder", None), "config", None)
-    if tok is None or cfg is None:
+    if not isinstance(model, Embedder):
         raise MoembedError("--max-lengths: needs a moembed Embedder (tokenizer and encoder config)")
+    tok, cfg = model.tokenizer, model.config
     retrieval = [t for t in tasks if t.type == "retrieval"]
     if not retrieval:
         raise MoembedError("--max-lengths: no retrieval task among the given tasks")

@@ -1,44 +1,24 @@
-"""Task directories: detect the task type, read and validate the files, refuse empty tasks.
+"""A loaded task, and what every task type defines (as MTEB's task classes do).
 
-Layouts (one directory per task; `task.json` {"type", "name", "split"} is optional except for clustering):
-- retrieval: BEIR layout — `corpus.jsonl` {"_id","title","text"}, `queries.jsonl` {"_id","text"},
-  `qrels/<split>.tsv` with header `query-id  corpus-id  score`.
-- sts: `<split>.jsonl` {"sentence1","sentence2","score"} (score a number).
-- pair_classification: `<split>.jsonl` {"sentence1","sentence2","label"} (label 0 or 1).
-- classification: `<split>.jsonl` {"text","label"} and optionally `train.jsonl` (else stratified k-fold).
-- clustering: `<split>.jsonl` {"text","label"} with task.json {"type": "clustering"}.
-- reranking: `<split>.jsonl` {"query","positive":[...],"negative":[...]}.
-Every error names the file and line at fault.
+Task types live one per module (retrieval, sts, classification, clustering, pair_classification, reranking),
+each a `TaskType` subclass; `moembed.eval.registry` lists them. Adding a task type is one module with its class
+and one entry in the registry.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+import numpy as np
 
-from moembed.errors import MoembedError
-from moembed.fileio import iter_jsonl, read_text_lines
-
-TaskType = Literal["retrieval", "sts", "classification", "clustering", "pair_classification", "reranking"]
-TASK_TYPES: tuple[str, ...] = ("retrieval", "sts", "classification", "clustering", "pair_classification", "reranking")
-
-
-class TaskSpec(BaseModel):
-    """The optional `task.json` of a task directory."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: TaskType | None = None
-    name: str | None = None
-    split: str = "test"
+from moembed.eval.encoding import EmbeddingCache, View, encode, pairwise
 
 
 @dataclass
 class Task:
-    """A loaded task. `data` holds the validated content, by type:
+    """A loaded task. `data` holds the validated content, as the task type's `read` returns it:
 
     retrieval: corpus {id: text}, queries {id: text}, qrels {qid: {did: int}};
     sts / pair_classification: rows [(s1, s2, score_or_label)];
@@ -53,80 +33,49 @@ class Task:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _spec(path: Path) -> TaskSpec:
-    f = path / "task.json"
-    if not f.exists():
-        return TaskSpec()
-    try:
-        return TaskSpec(**json.loads(f.read_text(encoding="utf-8")))
-    except json.JSONDecodeError as e:
-        raise MoembedError(f"{f}:{e.lineno}: invalid JSON ({e.msg})") from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in err["loc"]) or "task.json"
-        raise MoembedError(f"{f}: key {key!r}: {err['msg']}") from None
-    except TypeError:
-        raise MoembedError(f"{f}: expected a JSON object") from None
+@dataclass(frozen=True)
+class RunOptions:
+    """Search settings (retrieval): exact FAISS search, corpus chunk and query block of the bounded-memory search."""
+
+    use_faiss: bool = False
+    chunk_size: int = 10_000
+    query_block: int = 256
 
 
-def _first_record(path: Path) -> dict:
-    for i, rec in iter_jsonl(path):
-        if not isinstance(rec, dict):
-            raise MoembedError(f"{path}:{i}: expected a JSON object")
-        return rec
-    raise MoembedError(f"{path}: empty task (no records)")
+class TaskType:
+    """One kind of task: how its directory is recognised and read, how a model is scored, its main score and the
+    prompt names its texts are encoded with (nomic-embed-v1 §5: search prefixes for retrieval-like tasks,
+    "classification" for symmetric ones)."""
+
+    name: ClassVar[str]
+    main_score: ClassVar[str]  # MTEB's main score of the type
+    query_prompt: ClassVar[str]  # prompt name of queries (or of every text of a symmetric task)
+    document_prompt: ClassVar[str]  # prompt name of documents / candidates
+    detect_files: ClassVar[tuple[str, ...]] = ()  # a directory holding any of these files is of this type
+    detect_keys: ClassVar[frozenset[str] | None] = None  # else: the first record of <split>.jsonl has these keys
+
+    def read(self, path: Path, split: str) -> dict[str, Any]:
+        """The validated content of a task directory (errors name the file and line)."""
+        raise NotImplementedError
+
+    def run(self, model, task: Task, view: View, cache: EmbeddingCache | None, options: RunOptions) -> dict[str, float]:
+        """Scores of `model` on a loaded task of this type."""
+        raise NotImplementedError
+
+    def texts(self, data: dict[str, Any]) -> list[str]:
+        """The task's texts that set int8 ranges when a model has no calibration (documents first)."""
+        raise NotImplementedError
 
 
-def detect_type(path: Path, split: str) -> str:
-    """Guess the task type from the files present and the keys of the first record."""
-    if (path / "corpus.jsonl").exists() or (path / "queries.jsonl").exists() or (path / "qrels").exists():
-        return "retrieval"
-    f = path / f"{split}.jsonl"
-    if not f.exists():
-        raise MoembedError(f"{path}: missing file {f.name} (or corpus.jsonl/queries.jsonl/qrels for retrieval)")
-    keys = set(_first_record(f))
-    if {"sentence1", "sentence2", "score"} <= keys:
-        return "sts"
-    if {"sentence1", "sentence2", "label"} <= keys:
-        return "pair_classification"
-    if {"query", "positive"} <= keys:
-        return "reranking"
-    if {"text", "label"} <= keys:
-        return "classification"  # clustering has the same records: it must say so in task.json
-    raise MoembedError(f"{f}:1: cannot tell the task type from keys {sorted(keys)}; add task.json with a 'type'")
+class SentencePairType(TaskType):
+    """A task on rows (sentence1, sentence2, gold) scored by the similarity of each pair (STS, pair classification)."""
 
+    def similarities(self, model, task: Task, view: View, cache: EmbeddingCache | None) -> np.ndarray:
+        """The model's similarity of every row's two sentences, (n,)."""
+        rows = task.data["rows"]
+        a = encode(model, [r[0] for r in rows], self.query_prompt, view, cache)
+        b = encode(model, [r[1] for r in rows], self.document_prompt, view, cache)
+        return pairwise(model, a, b)
 
-def load_task(path: str | Path) -> Task:
-    """Read a task directory (type from task.json or detected), validating every record."""
-    path = Path(path)
-    if not path.is_dir():
-        raise MoembedError(f"{path}: not a task directory")
-    spec = _spec(path)
-    ttype = spec.type or detect_type(path, spec.split)
-    task = Task(spec.name or path.name, ttype, spec.split, path)
-    from moembed.eval import readers
-
-    task.data = readers.READERS[ttype](path, spec.split)
-    return task
-
-
-def read_qrels(path: Path) -> list[tuple[int, str, str, int]]:
-    """Rows (line, query-id, corpus-id, score) of a BEIR qrels TSV with a header line."""
-    if not path.exists():
-        raise MoembedError(f"{path}: missing file")
-    lines = read_text_lines(path)
-    if not lines or lines[0].split("\t")[0].strip().lower() not in ("query-id", "query_id", "qid"):
-        raise MoembedError(f"{path}:1: expected the header 'query-id<TAB>corpus-id<TAB>score'")
-    rows = []
-    for i, line in enumerate(lines[1:], 2):
-        if not line.strip():
-            continue
-        parts = line.split("\t")
-        if len(parts) != 3:
-            raise MoembedError(f"{path}:{i}: expected 3 tab-separated columns, got {len(parts)}")
-        try:
-            score = int(float(parts[2]))
-        except ValueError:
-            raise MoembedError(f"{path}:{i}: score {parts[2]!r} is not a number") from None
-        rows.append((i, parts[0], parts[1], score))
-    return rows
+    def texts(self, data: dict[str, Any]) -> list[str]:
+        return [r[0] for r in data["rows"]] + [r[1] for r in data["rows"]]

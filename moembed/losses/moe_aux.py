@@ -1,7 +1,9 @@
 """Auxiliary losses of sparse MoE routers, as pure functions of router logits (no module state).
 
 Router logits come per MoE layer either packed over real tokens, (N, E), as the encoder returns them (padding
-is never routed), or padded, (B, T, E), together with an attention mask (B, T) that selects the real tokens.
+is never routed), or padded, (B, T, E), together with an attention mask (B, T) that selects the real tokens
+(`moembed.model.utilisation.real_token_logits`). The router entropy, a statistic rather than a loss, is
+`moembed.model.utilisation.router_entropy`.
 """
 
 from __future__ import annotations
@@ -10,12 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def _real_tokens(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """(N, E) logits of real tokens from (N, E), or from (B, T, E) with a (B, T) mask."""
-    if logits.dim() == 3:
-        logits = logits[attention_mask.bool()] if attention_mask is not None else logits.reshape(-1, logits.shape[-1])
-    return logits.float()
+from moembed.model.utilisation import real_token_logits
 
 
 def routing_fractions(counts: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
@@ -63,7 +60,7 @@ def load_balancing_loss(
         raise ValueError(f"fractions: {len(fractions)} layers given for {len(router_logits)} layers of router logits")
     losses = []
     for layer, logits in enumerate(router_logits):
-        logits = _real_tokens(logits, attention_mask)  # (N, E)
+        logits = real_token_logits(logits, attention_mask)  # (N, E)
         N, E = logits.shape
         if N == 0:
             losses.append(logits.sum() * 0.0)
@@ -91,13 +88,6 @@ def router_z_loss(
         return torch.zeros(())
     losses = []
     for logits in router_logits:
-        logits = _real_tokens(logits, attention_mask)
+        logits = real_token_logits(logits, attention_mask)
         losses.append(torch.logsumexp(logits, dim=-1).square().mean() if logits.shape[0] else logits.sum() * 0.0)
     return torch.stack(losses).mean()
-
-
-def router_entropy(router_logits: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean entropy (nats) of the routing distribution over real tokens, for one layer's logits."""
-    logits = _real_tokens(router_logits, attention_mask)
-    logp = logits.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1).mean()

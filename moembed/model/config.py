@@ -5,7 +5,7 @@ One `EncoderConfig` covers the two encoder families:
 - Nomic-style (nomic-embed-v1 §4.1.2): rotary positions, SwiGLU MLP, no dropout, vocabulary padded to a
   multiple of 64, Dynamic NTK RoPE scaling at inference (Eq. 5).
 An optional `MoEConfig` turns chosen layers' MLPs into sparse Mixture-of-Experts blocks (nomic-embed-v2 §3.2).
-Configs are validated on construction; errors name the key.
+Configs are validated on construction; errors name the key. Named configs (presets) are in `presets.py`.
 """
 
 from __future__ import annotations
@@ -116,54 +116,3 @@ class EncoderConfig(_Strict):
 def pad_vocab(n: int, multiple: int = 64) -> int:
     """Vocabulary size rounded up to a multiple (nomic-embed-v1 §4.1.2 pads to 64 for fast matmuls)."""
     return -(-n // multiple) * multiple
-
-
-# ---- named presets -------------------------------------------------------------------------------------------
-
-
-def bert_config(**overrides) -> EncoderConfig:
-    """BERT-style encoder (defaults: all-MiniLM-L6-v2's shape)."""
-    return EncoderConfig(family="bert", position="absolute", mlp="gelu", **overrides)
-
-
-def nomic_config(**overrides) -> EncoderConfig:
-    """Nomic-style encoder: rotary, SwiGLU, no dropout, no biases, padded vocabulary (nomic-embed-v1 §4.1.2)."""
-    base = dict(
-        family="nomic", position="rotary", mlp="swiglu", bias=False, hidden_dropout=0.0, attention_dropout=0.0,
-        layer_norm_eps=1e-12, type_vocab_size=2, vocab_size=pad_vocab(30522), hidden_size=768, num_layers=12,
-        num_heads=12, intermediate_size=3072, max_position=2048,
-    )
-    base.update(overrides)
-    if "vocab_size" in overrides:
-        base["vocab_size"] = pad_vocab(overrides["vocab_size"])
-    return EncoderConfig(**base)
-
-
-def minilm_l6() -> EncoderConfig:
-    return bert_config()
-
-
-def minilm_moe(num_experts: int = 8, top_k: int = 2) -> EncoderConfig:
-    """all-MiniLM-L6-v2 with every second MLP as an MoE block (layers 2, 4, 6)."""
-    return bert_config(moe=MoEConfig(num_experts=num_experts, top_k=top_k))
-
-
-def nomic_v1_base() -> EncoderConfig:
-    """nomic-bert-2048: 137M parameters, 2048 trained context (nomic-embed-v1 §4.1.2)."""
-    return nomic_config()
-
-
-def nomic_v2_moe_base() -> EncoderConfig:
-    """Nomic Embed v2 MoE: mNomic-BERT (XLM-R base with rotary positions, nomic-embed-v2 §4.1), 8 experts top-2
-    on every second layer (§3.2, §4.3). XLM-R's MLPs are GELU with biases, which gives the paper's 475M total /
-    305M active parameters; a SwiGLU variant of the same shape would have 603M / 348M."""
-    return nomic_config(
-        vocab_size=250_048, max_position=2048, mlp="gelu", bias=True, moe=MoEConfig(num_experts=8, top_k=2)
-    )
-
-
-def tiny_config(family: Literal["bert", "nomic"] = "bert", **overrides) -> EncoderConfig:
-    """A tiny random config for unit tests."""
-    base = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position=64)
-    base.update(overrides)
-    return bert_config(**base) if family == "bert" else nomic_config(**base)

@@ -10,7 +10,8 @@ token by the routing r: V_l → {1..K}, transforms the base embedding of every p
 The expert sees each piece's base embedding, not the pooled vector: pooling comes after the expert (Eq. 2 and
 "computed by mean pooling the expert outputs of the constituent tokens"). Only the base table E_s and the experts
 are trained, so rare V_l tokens share parameters with the frequent pieces they are made of. At inference the
-whole (|V_l|, d) table is precomputed (`precompute_table`) and the layer becomes a plain lookup.
+whole (|V_l|, d) table is precomputed (`precompute_table`) and the layer becomes a plain lookup
+(`moembed.model.convert.lookup.to_lookup`).
 
 Routing (App. D): "hash" — a static table pre-assigned by corpus frequency so that every expert receives about
 the same token mass (Roller et al., 2021; built by `hash_balanced_routing`); "semantic" — a static table of
@@ -206,24 +207,3 @@ class MoVEEmbedding(nn.Module):
         device = self.phi.device
         parts = [self.embed_unique(torch.arange(s, min(s + chunk_size, V), device=device)) for s in range(0, V, chunk_size)]
         return torch.cat(parts)
-
-
-def to_lookup(emb):
-    """An `Embedder` equal to `emb` whose MoVE embedding layer is replaced by its precomputed (|V_l|, d) table.
-
-    The result is a plain moembed model (config without `move`, vocabulary |V_l|, same tokenizer) that costs no
-    expert compute at inference (MoVE §3.1, §4.5).
-    """
-    from moembed.model.embedder import Embedder
-    from moembed.model.encoder import Encoder
-
-    if emb.config.move is None:
-        raise ValueError("this model has no MoVE embedding layer")
-    table = emb.encoder.embeddings.word.precompute_table()  # (|V_l|, d)
-    encoder = Encoder(emb.config.model_copy(update={"move": None}))
-    sd = {k: v for k, v in emb.encoder.state_dict().items() if not k.startswith("embeddings.word.")}
-    sd["embeddings.word.weight"] = table
-    encoder.load_state_dict(sd)
-    out = Embedder(encoder, emb.tokenizer, emb.pooling, emb.normalize, emb.prompts, emb.name, emb.calibration)
-    out.source_dir = getattr(emb, "source_dir", None)  # keeps the tokenizer files when saved
-    return out.train(emb.training)

@@ -23,6 +23,7 @@ import torch
 from sentence_transformers.base.modules.input_module import InputModule
 
 from moembed.model.embedder import Embedder
+from moembed.model.io import write_parts
 
 
 class MoembedEncoder(InputModule):
@@ -48,8 +49,7 @@ class MoembedEncoder(InputModule):
         return self.embedder.dim
 
     def preprocess(self, inputs: Sequence[str], prompt: str | None = None, **kwargs) -> dict[str, Any]:
-        texts = [(prompt or "") + t for t in inputs]
-        ids, _ = self.embedder.tokenizer.encode_ids(texts)
+        ids, _ = self.embedder.token_ids(list(inputs), prompt or "")
         input_ids, mask = self.embedder.tokenizer.pad(ids)
         return {"input_ids": input_ids, "attention_mask": mask.long()}
 
@@ -62,9 +62,7 @@ class MoembedEncoder(InputModule):
         return {}
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
-        from moembed.model.io import write_moembed_files
-
-        write_moembed_files(self.embedder, Path(output_path))
+        write_parts(self.embedder.parts(), Path(output_path))
 
     @classmethod
     def load(cls, model_name_or_path: str, subfolder: str = "", token=None, cache_folder=None, revision=None,

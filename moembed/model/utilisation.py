@@ -4,6 +4,10 @@ From one forward pass (`from_output(EncoderOutput)`) for training logs, or accum
 texts (`probe(embedder, texts)`) for `moembed info --probe`. Only real tokens are counted (padding is never
 routed, see moe.py). Router entropy is the mean over tokens of H(softmax(router logits)) in nats: log E for a
 router that spreads every token evenly, 0 for one that is certain.
+
+Router logits come per MoE layer either packed over real tokens, (N, E), as the encoder returns them, or
+padded, (B, T, E), together with an attention mask (B, T) that selects the real tokens (`real_token_logits`;
+the auxiliary losses of `moembed.losses.moe_aux` read them the same way).
 """
 
 from __future__ import annotations
@@ -13,8 +17,21 @@ from dataclasses import dataclass
 
 import torch
 
-from moembed.losses.moe_aux import router_entropy
 from moembed.model.encoder import EncoderOutput
+from moembed.model.inference import length_sorted_batches
+
+
+def real_token_logits(logits: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, E) float32 logits of real tokens from (N, E), or from (B, T, E) with a (B, T) mask."""
+    if logits.dim() == 3:
+        logits = logits[attention_mask.bool()] if attention_mask is not None else logits.reshape(-1, logits.shape[-1])
+    return logits.float()
+
+
+def router_entropy(router_logits: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean entropy (nats) of the routing distribution over real tokens, for one layer's logits."""
+    logp = real_token_logits(router_logits, attention_mask).log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1).mean()
 
 
 @dataclass
@@ -62,18 +79,18 @@ def merge(a: list[LayerUtilisation], b: list[LayerUtilisation]) -> list[LayerUti
 
 @torch.inference_mode()
 def probe(embedder, texts: list[str], batch_size: int = 32, prefix: str = "") -> list[LayerUtilisation]:
-    """Utilisation of an MoE embedder over texts (eval mode; no jitter)."""
+    """Utilisation of an MoE embedder over texts (eval mode; no jitter), in length-sorted batches."""
     layers = embedder.config.moe_layers()
     if not layers:
         return []
     was_training = embedder.training
     embedder.eval()
     device = next(embedder.parameters()).device
+    ids, _ = embedder.token_ids(texts, prefix)
     report = None
-    for s in range(0, len(texts), batch_size):
-        batch = embedder.tokenizer([prefix + t for t in texts[s : s + batch_size]])
-        out = embedder.encoder(batch.input_ids.to(device), batch.attention_mask.to(device))
-        rows = from_output(out, layers)
+    for idx in length_sorted_batches([len(x) for x in ids], batch_size):
+        input_ids, mask = embedder.tokenizer.pad([ids[i] for i in idx])  # (B, T) each
+        rows = from_output(embedder.encoder(input_ids.to(device), mask.to(device)), layers)
         report = rows if report is None else merge(report, rows)
     embedder.train(was_training)
     return report or []

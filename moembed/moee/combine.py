@@ -6,9 +6,9 @@
 - `SumModel(source, alpha)`: MoEE(sum), a model with its own similarity sim = cos_HS + α·cos_RW (eq. 6). Its
   `encode` returns the same concatenation, and `similarity(a, b)` splits it at `split` = d_HS.
 
-Both follow the model interface of moembed's evaluation: `encode(texts, prompt=None, dim=None,
-precision="float32", batch_size=32)`, attributes `name`, `prompts`, `dim`. Unlike the reference code, nothing
-is standardised per batch: an embedding never depends on the other texts of its batch.
+Both implement `moembed.model.protocol.EmbeddingModel` (`encode`, `name`, `prompts`, `dim`, `settings_key`);
+`SumModel` also has the `OwnSimilarity` capability. Unlike the reference code, nothing is standardised per
+batch: an embedding never depends on the other texts of its batch.
 
     >>> m = load_moee("path/to/OLMoE-1B-7B", mode="sum", alpha=1.0, prompt="prompteol")
     >>> e = m.encode(["a cat", "a dog"]); m.similarity(e, e)   # (2, 2)
@@ -16,6 +16,7 @@ is standardised per batch: an embedding never depends on the other texts of its 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moembed.errors import MoembedError
+from moembed.model.protocol import short_hash
 from moembed.moee.extract import ExtractConfig, Features
 
 MODES = ("hs", "rw", "concat")
@@ -57,16 +59,9 @@ class MoEEModel:
         self.name = f"{source.name}+moee-{mode}"
         self.prompts = dict(source.prompts)
 
-    @property
-    def content_hash(self) -> str:
-        """Hash of the weights and of every setting that changes `encode` (keys evaluation caches)."""
-        import hashlib
-        import json
-
-        from moembed.eval.encoding import content_hash
-
-        settings = json.dumps({"mode": self.mode, **self.source.settings()}, sort_keys=True)
-        return hashlib.sha256((content_hash(self.source) + settings).encode()).hexdigest()[:16]
+    def settings_key(self) -> str:
+        """The source's key (weights and settings) and the mode: what keys evaluation caches."""
+        return short_hash(json.dumps([self.source.settings_key(), self.mode], sort_keys=True))
 
     @property
     def dim(self) -> int:

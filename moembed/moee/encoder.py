@@ -8,11 +8,16 @@ bidirectional, so no single token summarises the text the way a decoder's last t
 
 from __future__ import annotations
 
+import json
+
 import torch
-from tqdm.auto import tqdm
 
 from moembed.errors import MoembedError
+from moembed.model.embedder import Embedder
+from moembed.model.inference import run_batches
+from moembed.model.protocol import short_hash
 from moembed.moee.extract import Features, packed_routing_weights
+from moembed.progress import bar
 
 
 class EncoderMoESource:
@@ -22,7 +27,7 @@ class EncoderMoESource:
     prefix, so tasks can ask for any prompt.
     """
 
-    def __init__(self, embedder, bf16: bool = False):
+    def __init__(self, embedder: Embedder, bf16: bool = False):
         layers = embedder.config.moe_layers()
         if not layers:
             raise MoembedError(f"{embedder.name}: the encoder has no MoE layers, so it has no routing weights")
@@ -44,6 +49,10 @@ class EncoderMoESource:
         """Everything besides the weights that changes the features."""
         return {"bf16": self.bf16, "max_length": self.embedder.max_length, "pooling": self.embedder.pooling}
 
+    def settings_key(self) -> str:
+        """The encoder's own key (weights, lengths, pooling) and this source's settings."""
+        return short_hash(json.dumps([self.embedder.settings_key(), self.settings()], sort_keys=True))
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> Features:
         """One padded batch (B, T) → Features (B, ·)."""
@@ -51,26 +60,21 @@ class EncoderMoESource:
         rw = packed_routing_weights(out.encoder.router_logits, out.encoder.batch_index, input_ids.shape[0])
         return Features(out.embeddings.float(), rw)
 
+    def _forward_ids(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(self.embedder.parameters()).device
+        input_ids, mask = self.embedder.tokenizer.pad(ids)  # right padding, (B, T) each
+        f = self.forward(input_ids.to(device), mask.to(device))
+        return f.hs, f.rw
+
     def features(self, texts: list[str], prompt: str | None = None, batch_size: int = 32,
                  show_progress: bool = False) -> Features:
         """HS and RW of `texts` (n, ·), in input order, independent of batching."""
         if batch_size < 1:
             raise MoembedError(f"batch_size: must be >= 1, got {batch_size}")
         prefix = self.prompts.get(prompt, "") if prompt is not None else ""
-        tok = self.embedder.tokenizer
-        ids, _ = tok.encode_ids([prefix + t for t in texts])
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest first: little padding per batch
+        ids, _ = self.embedder.token_ids(texts, prefix)
         device = next(self.embedder.parameters()).device
-        hs = torch.zeros(len(ids), self.hs_dim)
-        rw = torch.zeros(len(ids), self.rw_dim)
-        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
-        bar = tqdm(total=len(ids), desc="moee", unit="text", disable=not show_progress, leave=False)
-        with amp:
-            for s in range(0, len(order), batch_size):
-                idx = order[s:s + batch_size]
-                input_ids, mask = tok.pad([ids[i] for i in idx])
-                f = self.forward(input_ids.to(device), mask.to(device))
-                hs[idx], rw[idx] = f.hs.float().cpu(), f.rw.float().cpu()
-                bar.update(len(idx))
-        bar.close()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16), \
+                bar("moee", enabled=show_progress) as progress:
+            hs, rw = run_batches(ids, batch_size, self._forward_ids, (self.hs_dim, self.rw_dim), progress)
         return Features(hs, rw)

@@ -18,15 +18,18 @@ positions, and therefore its embedding, do not depend on how much padding its ba
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from moembed.errors import MoembedError
+from moembed.model.inference import run_batches
+from moembed.model.protocol import short_hash, weights_key
 from moembed.moee.extract import ExtractConfig, Features, hidden_state, routing_weights
 from moembed.moee.prompts import apply_prompt, resolve_prompt
+from moembed.progress import bar
 
 FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -87,6 +90,10 @@ class HFMoESource:
         """Everything besides the weights that changes the features."""
         return {"extract": self.extract.model_dump(), "prompt": self.default_prompt, "max_length": self.max_length,
                 "dtype": str(next(self.lm.parameters()).dtype)}
+
+    def settings_key(self) -> str:
+        """The language model's weights and this source's settings."""
+        return short_hash(json.dumps([weights_key(self.lm), self.settings()], sort_keys=True))
 
     # ---- tokens -----------------------------------------------------------------------------------------------
 
@@ -163,16 +170,13 @@ class HFMoESource:
         empty = next((i for i, x in enumerate(ids) if not x), None)
         if empty is not None:
             raise MoembedError(f"texts[{empty}]: no tokens to embed (empty text and no prompt or special tokens)")
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest first
-        hs = torch.zeros(len(ids), self.hs_dim)
-        rw = torch.zeros(len(ids), self.rw_dim)
-        bar = tqdm(total=len(ids), desc="moee", unit="text", disable=not show_progress, leave=False)
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s + batch_size]
-            f = self.forward(*self.left_pad([ids[i] for i in idx]))
-            hs[idx], rw[idx] = f.hs, f.rw
-            bar.update(len(idx))
-        bar.close()
+
+        def forward_ids(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            f = self.forward(*self.left_pad(batch))
+            return f.hs, f.rw
+
+        with bar("moee", enabled=show_progress) as progress:
+            hs, rw = run_batches(ids, batch_size, forward_ids, (self.hs_dim, self.rw_dim), progress)
         return Features(hs, rw)
 
 

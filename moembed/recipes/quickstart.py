@@ -5,7 +5,7 @@ training itself resumes from its last checkpoint):
     1. data      build real training pairs and held-out BEIR test sets (moembed.data.corpora)
     2. curate    consistency-filter the pairs (top-k) and mine positive-aware hard negatives, with all-MiniLM-L6-v2
                  as teacher — one embedding pass for both (moembed.data.curate)
-    3. upcycle   copy the base model and turn every second MLP into an MoE block (moembed.model.upcycle)
+    3. upcycle   copy the base model and turn every second MLP into an MoE block (moembed.model.convert.upcycle)
     4. train-moe / train-dense   contrastive finetuning with hard negatives, Matryoshka and (MoE) load balancing;
                  the dense model is trained the same way as the control (moembed.train)
     5. eval      base, dense-finetuned and MoE-finetuned models on the test sets across dims and precisions
@@ -187,8 +187,8 @@ class Quickstart:
         return {"filter": report, "train_sources": kept, "too_small": dropped}
 
     def upcycle(self) -> dict:
+        from moembed.model.convert.upcycle import upcycle
         from moembed.model.embedder import Embedder
-        from moembed.model.upcycle import upcycle
 
         dense = Embedder.load(self.base)
         dense.prompts = dict(_PROMPTS)  # both trained models use the Nomic task prefixes
@@ -234,10 +234,10 @@ class Quickstart:
         return {"base": self.base, "dense": self.out / "runs" / "dense" / "model", "moe": self.out / "runs" / "moe" / "model"}
 
     def evaluate(self) -> dict:
-        from moembed.eval.encoding import EmbeddingCache, content_hash
+        from moembed.eval.encoding import EmbeddingCache
+        from moembed.eval.registry import load_task
         from moembed.eval.report import write_results
         from moembed.eval.sweep import matryoshka_sweep
-        from moembed.eval.task import load_task
         from moembed.model.embedder import Embedder
 
         tasks = []
@@ -250,7 +250,7 @@ class Quickstart:
             model = Embedder.load(path)
             model.name = label
             # Full-dimension embeddings are cached once; every (dim, precision) point is derived from them.
-            cache = EmbeddingCache(self.out / "work" / "eval-cache", content_hash(model))
+            cache = EmbeddingCache(self.out / "work" / "eval-cache")
             res = matryoshka_sweep(model, tasks, e.dims, e.precisions, e.batch_size, cache, progress=self.progress)
             write_results(res, self.out / "eval" / label, label, None)
         return {"models": list(self.models())}

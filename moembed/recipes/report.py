@@ -15,8 +15,9 @@ import json
 import shutil
 from pathlib import Path
 
-from moembed import __version__
+from moembed.figures import new_figure, save_png
 from moembed.fileio import atomic_path
+from moembed.version import __version__
 
 LABELS = {"base": "all-MiniLM-L6-v2 (base)", "dense": "dense, finetuned (control)", "moe": "MoE, upcycled + finetuned"}
 
@@ -65,15 +66,11 @@ def verdict(summary: dict) -> str:
 
 
 def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from moembed.train.plots import read_metrics
 
     written = []
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    fig = new_figure((6.5, 3.5))
+    ax = fig.subplots()
     for kind in ("dense", "moe"):
         recs = read_metrics(qs.out / "runs" / kind / "metrics.jsonl")
         key = "contrastive" if recs and recs[0].get("contrastive") is not None else "loss"
@@ -82,15 +79,15 @@ def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[
     ax.set_ylabel("InfoNCE loss (Matryoshka sum)")
     ax.legend()
     ax.grid(alpha=0.3)
-    written.append(_save(fig, report / "training_loss.png"))
-    plt.close(fig)
+    written.append(save_png(fig, report / "training_loss.png", bbox_inches="tight").name)
 
     moe_plots = qs.out / "runs" / "moe" / "plots" / "expert_load.png"
     if moe_plots.exists():
         shutil.copy2(moe_plots, report / "expert_load.png")
         written.append("expert_load.png")
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    fig = new_figure((6.5, 3.5))
+    ax = fig.subplots()
     for m, entries in results.items():
         dims = sorted({e["dim"] for e in entries})
         ax.plot(dims, [100 * _avg(entries, d, "float32") for d in dims], marker="o", label=LABELS[m])
@@ -98,20 +95,13 @@ def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[
     ax.set_ylabel("mean nDCG@10 (float32)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    written.append(_save(fig, report / "score_vs_dim.png"))
-    plt.close(fig)
+    written.append(save_png(fig, report / "score_vs_dim.png", bbox_inches="tight").name)
     return written
-
-
-def _save(fig, path: Path) -> str:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-    return path.name
 
 
 def _probe(qs) -> list[str]:
     """Expert load per MoE layer of the finetuned model on the test queries and documents."""
-    from moembed.eval.task import load_task
+    from moembed.eval.registry import load_task
     from moembed.model.embedder import Embedder
     from moembed.model.utilisation import format_report, probe
 

@@ -1,4 +1,5 @@
-"""Training: typed configs, the loop, optimisation schedules, atomic checkpoints, MLM pretraining, plots.
+"""Training: typed configs, stages (mlm, contrastive, finetune), the loop, optimisation schedules, atomic checkpoints,
+MLM pretraining, plots.
 
     >>> from moembed.train.config import load_config
     >>> from moembed.train.loop import train

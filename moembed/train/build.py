@@ -10,21 +10,12 @@ from pydantic import ValidationError
 from moembed.data.batching import PairBatchStream
 from moembed.data.sources import PairSource, SourceStats, TextSource
 from moembed.errors import MoembedError, config_error
-from moembed.model import config as presets
-from moembed.model.config import EncoderConfig, pad_vocab
+from moembed.model.config import EncoderConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
+from moembed.model.presets import PRESETS, build_preset
 from moembed.model.tokenizer import TextTokenizer
-from moembed.train.config import PRESETS, TrainConfig
-
-_BUILDERS = {
-    "tiny": lambda: presets.tiny_config("bert"),
-    "bert": presets.bert_config,
-    "nomic": presets.nomic_config,
-    "minilm_moe": presets.minilm_moe,
-    "nomic_v1_base": presets.nomic_v1_base,
-    "nomic_v2_moe_base": presets.nomic_v2_moe_base,
-}
+from moembed.train.config import TrainConfig
 
 
 def check_paths(cfg: TrainConfig) -> None:
@@ -48,12 +39,8 @@ def check_paths(cfg: TrainConfig) -> None:
 
 def preset_config(cfg: TrainConfig, tok: TextTokenizer) -> EncoderConfig:
     """The preset's EncoderConfig with the tokenizer's vocabulary and `model_config_overrides` applied."""
-    base = _BUILDERS[cfg.model]().model_dump()
-    vocab = tok.vocab_size
-    base["vocab_size"] = pad_vocab(vocab) if base["family"] == "nomic" else vocab
-    base.update(cfg.model_config_overrides)
     try:
-        return EncoderConfig(**base)
+        return build_preset(cfg.model, tok.vocab_size, cfg.model_config_overrides)
     except ValidationError as e:
         raise config_error(e, "model_config_overrides") from None
 
@@ -62,17 +49,11 @@ def build_model(cfg: TrainConfig) -> Embedder:
     """Load the model to start from, or build a preset from scratch (seeded by `cfg.seed`)."""
     max_len = max(cfg.max_query_length, cfg.max_doc_length)
     if cfg.model not in PRESETS:
-        emb = Embedder.load(cfg.model)
-    else:
-        tok = TextTokenizer.from_dir(Path(cfg.tokenizer), max_length=max_len)
-        torch.manual_seed(cfg.seed)
-        emb = Embedder(Encoder(preset_config(cfg, tok)), tok, pooling="mean", name=Path(cfg.output_dir).name)
-        emb.source_dir = Path(cfg.tokenizer)
-    if cfg.stage == "mlm" and cfg.mlm.to_rotary and emb.config.position == "absolute":
-        from moembed.train.mlm import to_rotary
-
-        emb = to_rotary(emb)
-    return emb
+        return Embedder.load(cfg.model)
+    tok = TextTokenizer.from_dir(Path(cfg.tokenizer), max_length=max_len)
+    torch.manual_seed(cfg.seed)
+    return Embedder(Encoder(preset_config(cfg, tok)), tok, pooling="mean", name=Path(cfg.output_dir).name,
+                    source_dir=cfg.tokenizer)
 
 
 def build_pair_stream(cfg: TrainConfig, stats: SourceStats, rank: int = 0, world: int = 1) -> PairBatchStream:

@@ -1,7 +1,7 @@
 """The training configuration: one typed, validated YAML document per run, with `key=value` overrides.
 
     stage: contrastive            # mlm | contrastive | finetune
-    model: path/to/init           # a model directory, or a preset name (see PRESETS) for from-scratch training
+    model: path/to/init           # a model directory, or a preset name (moembed.model.presets) for from-scratch training
     data: [{path: train.jsonl, query_prefix: "search_query: ", document_prefix: "search_document: "}]
     batch_size: 256               # global batch (all ranks together)
     loss: {temperature: 0.02}
@@ -20,50 +20,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moembed.data.config import SamplerConfig, SourceConfig
 from moembed.errors import MoembedError, config_error
 from moembed.fileio import read_yaml
 from moembed.losses.config import LossConfig
 
-# Encoder presets usable as `model:` for from-scratch training (moembed.model.config builders).
-PRESETS = ("tiny", "bert", "nomic", "minilm_moe", "nomic_v1_base", "nomic_v2_moe_base")
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SourceConfig(_Strict):
-    """One data source. A batch is always drawn from a single source (nomic-embed-v1 §4.2.2)."""
-
-    path: str
-    format: Literal["jsonl", "parquet", "hf-disk"] = "jsonl"
-    name: str | None = None  # defaults to the file name (plus `lang` when given)
-    lang: str | None = None
-    query_field: str = "query"
-    document_field: str = "document"
-    negatives_field: str | None = "negatives"
-    text_field: str = "text"  # MLM stage: the field holding raw text (a bare JSON string also works)
-    query_prefix: str = ""
-    document_prefix: str = ""
-    weight: float = Field(1.0, gt=0)  # multiplies the source size in the sampling formula
-    size: int | None = Field(None, ge=1)  # records; counted from the file when absent
-    # Records are read in blocks of this many consecutive records, each block emitted in a seeded random order
-    # (0: file order). Files sorted by topic otherwise give batches of near-duplicates (easy or false in-batch
-    # negatives). 10,000 is ~40x a finetuning batch (256) and more than half a pretraining one (16,384), so a
-    # batch spans at most ~2 blocks, while one block of raw records per source stays small in memory (about
-    # 10 MB at 1 KB a record) and resume re-reads at most one block.
-    shuffle_block: int = Field(10_000, ge=0)
-
-    @property
-    def label(self) -> str:
-        base = self.name or Path(self.path).stem
-        return f"{base}.{self.lang}" if self.lang and not self.name else base
-
-
-class SamplerConfig(_Strict):
-    """p(source i) = (w_i · n_i)^(1/temperature) / Σ_j (w_j · n_j)^(1/temperature)."""
-
-    temperature: float = Field(1.0, gt=0)
 
 
 class OptimConfig(_Strict):
@@ -115,6 +78,7 @@ class TrainConfig(_Strict):
     optim: OptimConfig = OptimConfig()
     steps: int = Field(ge=1)
     seed: int = 0
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, then mps, else cpu (moembed.devices)
     bf16: bool = False
     checkpoint: CheckpointConfig = CheckpointConfig()
     log_every: int = Field(10, ge=1)

@@ -1,5 +1,7 @@
-"""The training loop shared by the three stages (mlm | contrastive | finetune).
+"""The training loop shared by the stages (mlm | contrastive | finetune; see stages.py).
 
+`train(cfg)` picks the device (`device: auto | cpu | cuda | mps`, under torchrun each process on the GPU of its
+LOCAL_RANK), joins the process group once when launched by torchrun, and drives a `Trainer` step by step.
 One optimizer step per batch: there is no plain gradient accumulation for the contrastive stages, since
 accumulating small batches shrinks the set of in-batch negatives; large contrastive batches come from GradCache
 (`chunk_size`). Data parallelism: every rank draws the same global batch and keeps its slice; embeddings are
@@ -25,46 +27,24 @@ from tqdm.auto import tqdm
 
 from moembed import distributed as dist
 from moembed.data.sources import SourceStats
+from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
-from moembed.model.tokenizer import Batch, TextTokenizer
-from moembed.train.build import (
-    build_model,
-    build_pair_stream,
-    build_text_stream,
-    check_paths,
-)
-from moembed.train.checkpoint import CheckpointManager
+from moembed.train.build import build_model, check_paths
+from moembed.train.checkpoint import CheckpointManager, rng_state
 from moembed.train.config import TrainConfig
 from moembed.train.optim import build_optimizer
+from moembed.train.stages import STAGES
 
 log = logging.getLogger("moembed")
 
 
-def tokenize(tok: TextTokenizer, texts: list[str], max_length: int, device: torch.device) -> Batch:
-    """Tokenise with a temporary max length (queries and documents have their own)."""
-    keep = tok.max_length
-    tok.set_max_length(max_length)
-    try:
-        b = tok(texts)
-    finally:
-        tok.set_max_length(keep)
-    return Batch(b.input_ids.to(device), b.attention_mask.to(device), b.token_type_ids.to(device), b.truncated)
-
-
-def _scalar(x) -> float | None:
-    if x is None:
-        return None
-    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def expert_load(counts) -> list[list[float]]:
-    """Per MoE layer, the fraction of routing assignments each expert received."""
-    out = []
-    for c in counts or ():
-        c = c.detach().float().cpu()
-        out.append((c / c.sum().clamp_min(1)).tolist())
-    return out
+def train_device(name: str) -> torch.device:
+    """The device of this process for a config's `device`: a bare "cuda" means the GPU of torchrun's LOCAL_RANK."""
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", dist.local_rank())
+    return device
 
 
 class Metrics:
@@ -98,81 +78,36 @@ class Metrics:
 
 
 class Trainer:
-    """One run's model, optimizer, scheduler, data stream and checkpoints; `train()` drives it step by step."""
+    """One run's stage, model, optimizer, scheduler, data stream and checkpoints; `train()` drives it step by step.
+
+    Building a Trainer runs no collective: under torchrun, `train()` joins the process group before and
+    broadcasts rank 0's weights after.
+    """
 
     def __init__(self, cfg: TrainConfig, progress: bool = True):
         check_paths(cfg)
-        dist.init_from_env()
         self.cfg, self.rank, self.world = cfg, dist.rank(), dist.world_size()
         self.main = self.rank == 0
         self.progress = progress and self.main
-        self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
+        self.device = train_device(cfg.device)
         self.out = Path(cfg.output_dir)
         self.stats = SourceStats()
-        self.embedder = build_model(cfg)
-        if cfg.stage == "mlm":
-            from moembed.train.mlm import MLMModel
-
-            self.module = MLMModel(self.embedder, cfg.mlm.aux_loss_coef)
-            head = Path(cfg.model) / "mlm_head.safetensors"
-            if head.exists():  # continuing MLM from a model this stage saved: keep its prediction head
-                from safetensors.torch import load_file
-
-                self.module.head.load_state_dict(load_file(str(head)))
-            self.stream = build_text_stream(cfg, self.embedder.tokenizer, self.stats, self.rank, self.world)
-        else:
-            self.module = self.embedder
-            self.stream = build_pair_stream(cfg, self.stats, self.rank, self.world)
+        self.stage = STAGES[cfg.stage](cfg)
+        self.module = self.stage.build_module(build_model(cfg))
+        self.embedder = self.stage.embedder(self.module)
+        self.stream = self.stage.build_stream(self.embedder.tokenizer, self.stats, self.rank, self.world)
         self.module.to(self.device).train()
-        dist.broadcast_parameters(self.module)
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.optim, cfg.steps)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
         self.step, self.last_ckpt = 0, None
         torch.manual_seed(cfg.seed + self.rank)  # dropout differs per rank, reproducibly
-
-    # ---- one step --------------------------------------------------------------------------------------------
-
-    def _contrastive(self) -> tuple[dict, int]:
-        from moembed.train.step import contrastive_step
-
-        b = self.stream.next()
-        tok, cfg = self.embedder.tokenizer, self.cfg
-        q = tokenize(tok, b.queries, cfg.max_query_length, self.device)
-        d = tokenize(tok, b.documents, cfg.max_doc_length, self.device)
-        n = tokenize(tok, b.negatives, cfg.max_doc_length, self.device) if b.negatives else None
-        # Gradients come back averaged over ranks; false negatives are found by document text.
-        res = contrastive_step(self.module, q, d, n, cfg.loss, cfg.chunk_size, doc_ids=b.documents + (b.negatives or []))
-        rec = {"source": b.source, "loss": _scalar(res.loss)}
-        for key in ("contrastive", "aux", "z"):
-            rec[key] = _scalar(getattr(res, key, None))
-        per_dim = getattr(res, "per_dim", None)
-        if per_dim:
-            rec["per_dim"] = {str(k): _scalar(v) for k, v in dict(per_dim).items()}
-        rec["expert_load"] = expert_load(getattr(res, "expert_counts", None))
-        return rec, cfg.batch_size
-
-    def _mlm(self) -> tuple[dict, int]:
-        from moembed.train.mlm import mask_id, mask_tokens, special_ids
-
-        name, ids = self.stream.next()
-        tok = self.embedder.tokenizer
-        # Masks come from a generator seeded by (seed, step, rank): identical after a resume, different per rank.
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + self.rank)
-        inputs, labels = mask_tokens(ids, self.cfg.mlm.mask_prob, mask_id(tok), self.embedder.config.vocab_size,
-                                     special_ids(tok), g)
-        out = self.module(inputs.to(self.device), labels.to(self.device))
-        out.loss.backward()
-        dist.all_reduce_gradients(self.module)
-        rec = {"source": name, "loss": _scalar(out.loss), "mlm": _scalar(out.mlm), "aux": _scalar(out.aux),
-               "masked": out.num_masked, "expert_load": expert_load(out.expert_counts)}
-        return rec, self.cfg.batch_size * self.cfg.mlm.seq_len
 
     def train_step(self) -> tuple[dict, int]:
         """Forward, backward, checks, gradient sync, clip, optimizer and scheduler step. Returns (record, items)."""
         self.optimizer.zero_grad(set_to_none=True)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
         with amp:
-            rec, items = self._mlm() if self.cfg.stage == "mlm" else self._contrastive()
+            rec, items = self.stage.step(self.module, self.stream, self.device, self.step, self.rank)
         if not math.isfinite(rec["loss"]):
             where = self.last_ckpt or "none written yet"
             raise MoembedError(
@@ -200,9 +135,9 @@ class Trainer:
         return r.step
 
     def save_checkpoint(self) -> None:
-        rngs = dist.all_gather_object(_rng())
+        rngs = dist.all_gather_object(rng_state())
         if self.main:
-            meta = {"stage": self.cfg.stage, "world_size": self.world}
+            meta = {"stage": self.stage.name, "world_size": self.world}
             self.last_ckpt = self.ckpt.save(self.step, self.module, self.optimizer, self.scheduler,
                                             self.stream.state(), meta, rngs)
         dist.barrier()
@@ -221,20 +156,9 @@ class Trainer:
         final = self.out / "model"
         if self.main:
             self.embedder.eval().save(final)
-            if self.cfg.stage == "mlm":
-                from safetensors.torch import save_file
-
-                with atomic_path(final / "mlm_head.safetensors") as tmp:
-                    save_file({k: v.detach().cpu().contiguous() for k, v in self.module.head.state_dict().items()},
-                              str(tmp))
+            self.stage.write_extras(self.module, final)
         dist.barrier()
         return final
-
-
-def _rng() -> dict:
-    from moembed.train.checkpoint import rng_state
-
-    return rng_state()
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:
@@ -243,8 +167,13 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
 
 
 def train(cfg: TrainConfig, progress: bool = True, resume: bool = True) -> Path:
-    """Run (or resume) training; returns the final model directory. Raises MoembedError on bad input or NaN loss."""
+    """Run (or resume) training; returns the final model directory. Raises MoembedError on bad input or NaN loss.
+
+    Under torchrun: joins the process group (nccl on CUDA, gloo otherwise) and starts every rank from rank 0's
+    weights."""
+    dist.init_from_env("nccl" if train_device(cfg.device).type == "cuda" else "gloo")
     t = Trainer(cfg, progress)
+    dist.broadcast_parameters(t.module)
     if not resume and t.ckpt.latest() is not None:
         raise MoembedError(f"{t.ckpt.dir}: holds checkpoints of an earlier run; remove it or resume instead of --fresh")
     start = t.resume() if resume else None
@@ -260,7 +189,7 @@ def train(cfg: TrainConfig, progress: bool = True, resume: bool = True) -> Path:
             rec, items = t.train_step()
             dt = time.perf_counter() - t0
             rate = items / dt if rate is None else 0.9 * rate + 0.1 * items / dt
-            unit = "tokens_per_s" if cfg.stage == "mlm" else "pairs_per_s"
+            unit = t.stage.rate_unit
             rec = {"step": t.step, **rec, unit: items / dt, "time": time.time()}
             if t.step % cfg.log_every == 0 or t.step == cfg.steps:
                 metrics.write(rec)

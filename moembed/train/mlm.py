@@ -6,8 +6,10 @@
   compute is spent on padding.
 - Vocabulary logits are computed only at the selected positions (M ≈ 0.3·B·T rows instead of B·T).
 - Per-language sources are drawn one per batch with p ∝ n^α, α = 0.3 (Nomic v2 Table 2, after XLM-R).
-- `to_rotary` turns an absolute-position (BERT/XLM-R style) model into a rotary one with the same weights minus
-  the position table, before MLM continues: the mNomic-BERT step (nomic-embed-v2 §4.1).
+- The MoE load-balancing term is computed by `MLMModel.loss` from routing fractions it is given: the stage's
+  step (train/stages.py) takes them from all ranks' counts, so the model's forward runs no collective.
+The mNomic-BERT step (absolute → rotary positions before MLM continues, nomic-embed-v2 §4.1) is
+`moembed.model.convert.rotary.to_rotary`, applied by the MLM stage when `mlm.to_rotary` is set.
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ from torch import nn
 from moembed.data.batching import SourceSampler
 from moembed.data.sources import SourceStats, TextSource
 from moembed.errors import MoembedError
-from moembed.losses.moe_aux import load_balancing_loss
+from moembed.losses.moe_aux import load_balancing_loss, routing_fractions
 from moembed.model.config import EncoderConfig
 from moembed.model.embedder import Embedder
-from moembed.model.encoder import Encoder
 from moembed.model.tokenizer import TextTokenizer
-from moembed.train.step import global_routing
 
 IGNORE = -100
 _SPECIAL = ("[CLS]", "[SEP]", "[PAD]", "<s>", "</s>", "<pad>", "<cls>", "<sep>")
@@ -51,6 +51,16 @@ class MLMHead(nn.Module):
 
 
 @dataclass
+class MLMForward:
+    """One forward pass: the MLM loss and what the load-balancing term needs."""
+
+    mlm: torch.Tensor  # cross-entropy at the masked positions (scalar, with gradient)
+    num_masked: int
+    router_logits: tuple[torch.Tensor, ...]  # one (N, E) per MoE layer
+    expert_counts: tuple[torch.Tensor, ...]  # one (E,) per MoE layer
+
+
+@dataclass
 class MLMOutput:
     loss: torch.Tensor  # mlm + aux
     mlm: torch.Tensor
@@ -60,7 +70,10 @@ class MLMOutput:
 
 
 class MLMModel(nn.Module):
-    """An Embedder plus an MLM head. The decoder is tied to `embedder.encoder.embeddings.word.weight`."""
+    """An Embedder plus an MLM head. The decoder is tied to `embedder.encoder.embeddings.word.weight`.
+
+        out = model.loss(model(input_ids, labels))      # one process; a distributed step passes global fractions
+    """
 
     def __init__(self, embedder: Embedder, aux_loss_coef: float = 0.0):
         super().__init__()
@@ -68,38 +81,28 @@ class MLMModel(nn.Module):
         self.head = MLMHead(embedder.config)
         self.aux_loss_coef = aux_loss_coef
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MLMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MLMForward:
         enc = self.embedder.encoder
         out = enc(input_ids, attention_mask)
         sel = labels != IGNORE  # (B, T)
         h = out.last_hidden_state[sel]  # (M, d): only masked positions reach the vocabulary projection
         logits = self.head(h, enc.embeddings.word.weight)  # (M, V)
         mlm = F.cross_entropy(logits.float(), labels[sel])
-        aux = torch.zeros((), device=mlm.device)
+        return MLMForward(mlm, int(sel.sum()), out.router_logits, out.expert_counts)
+
+    def loss(self, out: MLMForward, fractions: list[torch.Tensor] | None = None, share: float = 1.0) -> MLMOutput:
+        """mlm + aux_loss_coef · load balancing (nomic-embed-v2 Eq. 1) on this forward's router logits.
+
+        fractions: r_i per MoE layer, (E,) each; None takes them from this forward's own expert counts (one
+        process). share: the weight that makes the mean over ranks the global loss (`step.global_routing`).
+        """
+        aux = torch.zeros((), device=out.mlm.device)
         if out.router_logits and self.aux_loss_coef > 0:
-            # r_i of nomic-embed-v2 Eq. 1 over all ranks' tokens, weighted by this rank's token share (step.py).
-            fractions, share = global_routing(out.expert_counts)
-            aux = load_balancing_loss(
-                out.router_logits, enc.config.moe.top_k, alpha=self.aux_loss_coef, fractions=fractions
-            ) * share
-        return MLMOutput(mlm + aux, mlm.detach(), aux.detach(), int(sel.sum()), out.expert_counts)
-
-
-def to_rotary(emb: Embedder) -> Embedder:
-    """The same model with rotary instead of learned absolute positions (nomic-embed-v2 §4.1, mNomic-BERT).
-
-    Every weight except the position table is copied unchanged; the result needs further MLM training to learn
-    to use rotary positions. Raises when the model is already rotary.
-    """
-    if emb.config.position == "rotary":
-        raise MoembedError("mlm.to_rotary: the model already uses rotary positions")
-    cfg = EncoderConfig(**{**emb.config.model_dump(), "position": "rotary"})
-    encoder = Encoder(cfg)
-    sd = {k: v for k, v in emb.encoder.state_dict().items() if k != "embeddings.position.weight"}
-    encoder.load_state_dict(sd, strict=True)
-    out = Embedder(encoder, emb.tokenizer, emb.pooling, emb.normalize, emb.prompts, emb.name)
-    out.source_dir = getattr(emb, "source_dir", None)
-    return out
+            if fractions is None:
+                fractions = routing_fractions(out.expert_counts)
+            top_k = self.embedder.config.moe.top_k
+            aux = load_balancing_loss(out.router_logits, top_k, alpha=self.aux_loss_coef, fractions=fractions) * share
+        return MLMOutput(out.mlm + aux, out.mlm.detach(), aux.detach(), out.num_masked, out.expert_counts)
 
 
 # ---- masking --------------------------------------------------------------------------------------------------

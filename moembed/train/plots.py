@@ -2,7 +2,7 @@
 
     >>> write_plots("runs/x/metrics.jsonl", "runs/x/plots")   # → loss.png, lr.png, expert_load.png (MoE only)
 
-Uses matplotlib's Agg backend (no display needed); each file is written atomically.
+Figures are drawn on the Agg canvas (`moembed.figures`: no display, no pyplot); each file is written atomically.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moembed.fileio import atomic_path
+from moembed.figures import new_figure, save_png
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -26,18 +26,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
-def _save(fig, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-
-
 def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write the plots that the metrics support; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     recs = read_metrics(metrics_path)
     out_dir = Path(out_dir)
     written: list[Path] = []
@@ -45,7 +35,8 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         return written
     steps = [r["step"] for r in recs]
     for key, label in (("loss", "loss"), ("lr", "learning rate")):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = new_figure((6, 3.5))
+        ax = fig.subplots()
         ax.plot(steps, [r.get(key) for r in recs], lw=1)
         if key == "loss":
             for part in ("contrastive", "mlm", "aux"):
@@ -57,13 +48,12 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        written.append(out_dir / f"{key}.png")
-        _save(fig, written[-1])
-        plt.close(fig)
+        written.append(save_png(fig, out_dir / f"{key}.png", bbox_inches="tight"))
     load = [r.get("expert_load") or [] for r in recs]
     layers = max((len(x) for x in load), default=0)
     if layers:
-        fig, axes = plt.subplots(layers, 1, figsize=(6, 2.2 * layers), squeeze=False, sharex=True)
+        fig = new_figure((6, 2.2 * layers))
+        axes = fig.subplots(layers, 1, squeeze=False, sharex=True)
         for li in range(layers):
             pts = [(s, x[li]) for s, x in zip(steps, load) if len(x) > li]
             ax = axes[li][0]
@@ -73,7 +63,5 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=6, ncol=4)
         axes[-1][0].set_xlabel("step")
-        written.append(out_dir / "expert_load.png")
-        _save(fig, written[-1])
-        plt.close(fig)
+        written.append(save_png(fig, out_dir / "expert_load.png", bbox_inches="tight"))
     return written

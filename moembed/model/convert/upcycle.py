@@ -79,10 +79,6 @@ def upcycle(
     encoder.load_state_dict(state)
     encoder.to(next(embedder.encoder.parameters()).device)
 
-    out = Embedder(
-        encoder, embedder.tokenizer, pooling=embedder.pooling, normalize=embedder.normalize,
-        prompts=embedder.prompts, name=f"{embedder.name}-moe{num_experts}x{top_k}",
-        calibration=embedder.calibration if noise == 0 and renormalize else None,
-    )
-    out.source_dir = getattr(embedder, "source_dir", None)  # tokenizer files are copied from there on save
-    return out.train(embedder.training)
+    # Renormalised exact copies reproduce the dense model (see above), so its int8 calibration still holds.
+    calibration = embedder.calibration if noise == 0 and renormalize else None
+    return embedder.derive(encoder, name=f"{embedder.name}-moe{num_experts}x{top_k}", calibration=calibration)

@@ -26,15 +26,20 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, processors
 
+from moembed.data.tokenizers import TokenizerConfig, train_tokenizer
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_dir
+from moembed.model.config import MoVEConfig
+from moembed.model.embedder import Embedder
+from moembed.model.encoder import Encoder
+from moembed.model.move import hash_balanced_routing, move_budget, semantic_routing
+from moembed.model.presets import bert_config, nomic_config
+from moembed.model.tokenizer import TextTokenizer
 
 
 def train_bpe(texts: list[str], vocab_size: int, min_frequency: int = 2, lowercase: bool = True) -> Tokenizer:
     """A byte-level BPE tokenizer ([CLS] text [SEP]) trained on `texts` by `moembed.data.tokenizers`."""
     import tempfile
-
-    from moembed.data.tokenizers import TokenizerConfig, train_tokenizer
 
     cfg = TokenizerConfig(kind="bpe", vocab_size=vocab_size, multiple=1, lowercase=lowercase, min_frequency=min_frequency)
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,8 +182,6 @@ def build_vocab_pair(
     (|V_l|, D) vectors, e.g. a pretrained embedder's `embed_tensor`),
     or "learned" (the stored table is then the hash one, used only as a fallback; the router decides).
     """
-    from moembed.model.move import hash_balanced_routing, semantic_routing
-
     if not 0 < base_size < size:
         raise MoembedError(f"vocabulary sizes: need base size < size, got {base_size} and {size}")
     large = large or train_bpe(texts, size, min_frequency, lowercase)
@@ -209,19 +212,13 @@ def make_embedder(
     pair: VocabPair, kind: str = "move", family: str = "bert", num_experts: int | None = None,
     expert_dim: int | None = None, routing: str | None = None, residual: bool = False, max_length: int = 512,
     name: str | None = None, **shape,
-):
+) -> Embedder:
     """A new random `Embedder` on this vocabulary pair.
 
     kind: "move" (V_l input, MoVE embedding from V_s; K defaults to the routing table's, d_e to `move_budget`),
     "base" (V_s input, plain table), or "large" (V_l input, plain table: naive vocabulary scaling).
     shape: EncoderConfig fields (hidden_size, num_layers, num_heads, intermediate_size, max_position, ...).
     """
-    from moembed.model.config import MoVEConfig, bert_config, nomic_config
-    from moembed.model.embedder import Embedder
-    from moembed.model.encoder import Encoder
-    from moembed.model.move import move_budget
-    from moembed.model.tokenizer import TextTokenizer
-
     if kind not in ("move", "base", "large"):
         raise MoembedError(f"kind: unknown {kind!r}; choose move, base or large")
     vs, vl = pair.sizes
