@@ -62,6 +62,21 @@ def test_mining_excludes_positives_and_respects_margins():
     assert no_margin[0][0] == 100 and 100 not in margin[0] and len(margin[0]) == 3
 
 
+def test_margin_keeps_negatives_below_a_negative_positive_score():
+    # Eq. 5 for pos >= 0 (pos x 0.95); for pos < 0 the same gap of 5% of |pos| under the positive, never above it.
+    cfg = MiningConfig(margin=0.95)
+    pos = np.array([0.8, 0.0, -0.2, -1.0])
+    np.testing.assert_allclose(cfg.threshold(pos), [0.76, 0.0, -0.21, -1.05])
+    assert np.all(cfg.threshold(pos) <= pos)
+    assert MiningConfig(margin=0.9, abs_margin=0.05).threshold(np.array([-0.2]))[0] == pytest.approx(-0.25)
+    # End to end: the positive scores -0.6 (a poor teacher); the candidates at -0.1 and -0.58 rank above it and
+    # must not be mined (pos x 0.95 = -0.57 would take -0.58); -0.7 is more than 5% of |pos| below it, -0.61 not.
+    q = np.array([[1.0, 0.0]], np.float32)
+    docs = _unit(np.array([[-0.6, 0.8], [-0.1, 0.995], [-0.58, 0.815], [-0.61, 0.792], [-0.7, 0.714]]))
+    idx, scores = mine(q, docs, np.array([0]), [{0}], MiningConfig(num_negatives=4), backend="exact")
+    assert idx == [[4]] and scores[0][0] == pytest.approx(-0.7, abs=1e-3)
+
+
 def test_mine_command_output_format(tmp_path, make_tiny):
     model_dir = tmp_path / "model"
     make_tiny(seed=3).save(model_dir)
