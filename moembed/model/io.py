@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from moembed import __version__
 from moembed.errors import MoembedError, config_error
-from moembed.fileio import atomic_dir
+from moembed.fileio import atomic_dir, recover_dir
 from moembed.model.config import EncoderConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
@@ -154,6 +154,7 @@ def _load_state(encoder: Encoder, sd: dict[str, torch.Tensor], source: Path) -> 
 def load_embedder(path: str | Path, max_length: int | None = None) -> Embedder:
     """Load a moembed directory, a sentence-transformers directory, or a Hugging Face BERT directory."""
     path = Path(path)
+    recover_dir(path)  # a replacement of this directory interrupted by a kill (fileio: rename-aside fallback)
     if not path.is_dir():
         raise MoembedError(f"{path}: not a model directory")
     cfg = _read_json(path / "config.json")
