@@ -165,7 +165,7 @@ def _write_error(target: Path, e: BaseException, free_at_failure: int | None, un
     if isinstance(e, MoembedError) or not isinstance(e, Exception):
         return None
     if isinstance(e, OSError):
-        detail, code = e.strerror or str(e), e.errno
+        detail, code = (f"{e.strerror}: {e.filename}" if e.filename and e.strerror else e.strerror or str(e)), e.errno
     elif any(s in str(e) for s in _WRITER_FAILURES):
         detail, code = f"{type(e).__name__}: {str(e)[:200]}", None
     else:
@@ -173,7 +173,8 @@ def _write_error(target: Path, e: BaseException, free_at_failure: int | None, un
     full = code == errno.ENOSPC or "os error 28" in str(e) or (free_at_failure is not None and free_at_failure < 2**20)
     if full and code != errno.ENOSPC:
         detail = f"no space left on device ({detail})"
-    return MoembedError(f"{target}: cannot write ({detail})" + ("; the previous content is unchanged" if unchanged else ""))
+    kept = "; the previous content is unchanged" if unchanged else ""
+    return MoembedError(f"{target}: cannot write ({detail}){kept}")
 
 
 def _free_bytes(path: Path) -> int | None:

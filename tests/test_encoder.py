@@ -84,14 +84,15 @@ def test_dynamic_ntk_applies_only_at_inference_beyond_trained_length():
     torch.testing.assert_close(cos_short, rope_cos_sin(8, cfg.head_dim, cfg.rope_base)[0])
     torch.testing.assert_close(cos_long[0, 0], want_long)
     enc.train()  # training never rescales
-    torch.testing.assert_close(enc.batch_rotary_tables(full(16), torch.float32)[0], rope_cos_sin(16, cfg.head_dim, cfg.rope_base)[0])
+    plain, _ = rope_cos_sin(16, cfg.head_dim, cfg.rope_base)
+    torch.testing.assert_close(enc.batch_rotary_tables(full(16), torch.float32)[0], plain)
     enc.eval()
     ids = torch.randint(1, cfg.vocab_size, (2, 16))
     assert enc(ids).last_hidden_state.shape == (2, 16, cfg.hidden_size)  # longer than trained: still runs
 
 
 def _sharp_nomic(make_tiny):
-    """A tiny NomicBERT-style (rotary) embedder trained to 16 positions, attention sharpened so that positions matter."""
+    """A tiny NomicBERT-style (rotary) embedder trained to 16 positions, its attention sharpened: positions matter."""
     emb = make_tiny("nomic", max_position=16, max_length=64)
     d = emb.config.hidden_size
     with torch.no_grad():
