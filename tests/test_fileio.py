@@ -322,7 +322,7 @@ def _bytes(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def _save_with_file_size_limit(tmp_path: Path, make_tiny_emb, out: Path) -> None:
+def _save_with_file_size_limit(tmp_path: Path, emb, out: Path) -> None:
     """In a child: the kernel refuses writes past 64 KiB (EFBIG), so torch.save and safetensors fail mid-file."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -333,7 +333,7 @@ def _save_with_file_size_limit(tmp_path: Path, make_tiny_emb, out: Path) -> None
     big(torch.randn(2, 100)).sum().backward()
     opt_big.step()
     for what, save in (("checkpoint", lambda: mgr.save(3, big, opt_big, sched_big, {})),
-                       ("model", lambda: make_tiny_emb.save(tmp_path / "model"))):
+                       ("model", lambda: emb.save(tmp_path / "model"))):
         try:
             save()
             errors.append([what, None])
