@@ -194,7 +194,8 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, minilm_path, pairs_file, 
     opts = [f"steps={steps}", "batch_size=12", "loss.num_hard_negatives=1"]
     rng = random.Random(KILL_SEED)
     kill_step = rng.randint(3, 9)
-    anchor, k = rng.choice([("-", rng.randint(1, 30_000)), ("_replace_dir", rng.randint(1, 640))])  # events measured
+    # a save of this run is ~31,000 interpreter events, ~650 of them from the swap on (measured): stay inside
+    anchor, k = rng.choice([("-", rng.randint(1, 25_000)), ("_replace_dir", rng.randint(1, 500))])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the killed subprocess runs with one thread; same kernels, same bits
     try:
