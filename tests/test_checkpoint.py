@@ -109,3 +109,35 @@ def test_optimizer_is_fused_adamw_with_the_default_update():
     for a, b in zip(m_fused.parameters(), m_ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert not torch.equal(m_fused[0].weight, _model(3)[0].weight)  # the steps moved the weights
+
+
+def _group_names(model: nn.Module) -> tuple[set[str], set[str]]:
+    from moembed.train.optim import param_groups
+
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    name = {id(p): n for n, p in model.named_parameters()}
+    return {name[id(p)] for p in decay["params"]}, {name[id(p)] for p in no_decay["params"]}
+
+
+def test_stacked_expert_and_move_biases_are_not_decayed():
+    # The (E, r) / (E, d) expert biases and MoVE's (K, ·) b1 / b2 are 2-d but are biases, exempt like the dense
+    # biases they came from; the stacked weight matrices are decayed.
+    from moembed.model.config import MoEConfig, MoVEConfig, tiny_config
+    from moembed.model.encoder import Encoder
+
+    moe = Encoder(tiny_config(moe=MoEConfig(num_experts=4, top_k=2)))
+    decay, no_decay = _group_names(moe)
+    assert {"layers.1.mlp.experts.fc1_bias", "layers.1.mlp.experts.fc2_bias", "layers.1.qkv.bias",
+            "layers.1.norm1.weight", "layers.1.norm1.bias"} <= no_decay
+    assert {"layers.1.mlp.experts.fc1_weight", "layers.1.mlp.experts.fc2_weight", "layers.1.mlp.router.weight",
+            "layers.0.qkv.weight", "embeddings.word.weight"} <= decay
+    assert all(moe.get_parameter(n).dim() >= 2 for n in decay)
+    assert all("bias" in n or "norm" in n for n in no_decay)
+
+    move = Encoder(tiny_config(vocab_size=50, move=MoVEConfig(base_vocab_size=20, num_experts=2, expert_dim=4,
+                                                              max_pieces=3)))
+    decay, no_decay = _group_names(move)
+    assert {"embeddings.word.experts.b1", "embeddings.word.experts.b2"} <= no_decay
+    assert {"embeddings.word.experts.w1", "embeddings.word.experts.w2", "embeddings.word.base.weight"} <= decay
+    assert not {n for n in decay if n.endswith("bias")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,16 +78,76 @@ def test_dynamic_ntk_applies_only_at_inference_beyond_trained_length():
     cfg = tiny_config("nomic", max_position=8)
     enc = Encoder(cfg)
     enc.eval()
-    cos_short, _ = enc.rotary_tables(8, None, torch.float32)
-    cos_long, _ = enc.rotary_tables(16, None, torch.float32)
+    full = lambda n: torch.ones(1, n, dtype=torch.bool)  # noqa: E731
+    cos_short, _ = enc.batch_rotary_tables(full(8), torch.float32)
+    cos_long, _ = enc.batch_rotary_tables(full(16), torch.float32)
     want_long, _ = rope_cos_sin(16, cfg.head_dim, ntk_base(cfg.rope_base, cfg.head_dim, 16, 8, cfg.ntk_alpha))
     torch.testing.assert_close(cos_short, rope_cos_sin(8, cfg.head_dim, cfg.rope_base)[0])
-    torch.testing.assert_close(cos_long, want_long)
+    torch.testing.assert_close(cos_long[0, 0], want_long)
     enc.train()  # training never rescales
-    torch.testing.assert_close(enc.rotary_tables(16, None, torch.float32)[0], rope_cos_sin(16, cfg.head_dim, cfg.rope_base)[0])
+    plain, _ = rope_cos_sin(16, cfg.head_dim, cfg.rope_base)
+    torch.testing.assert_close(enc.batch_rotary_tables(full(16), torch.float32)[0], plain)
     enc.eval()
     ids = torch.randint(1, cfg.vocab_size, (2, 16))
     assert enc(ids).last_hidden_state.shape == (2, 16, cfg.hidden_size)  # longer than trained: still runs
+
+
+def _sharp_nomic(make_tiny):
+    """A tiny NomicBERT-style (rotary) embedder trained to 16 positions, its attention sharpened: positions matter."""
+    emb = make_tiny("nomic", max_position=16, max_length=64)
+    d = emb.config.hidden_size
+    with torch.no_grad():
+        for layer in emb.encoder.layers:
+            layer.qkv.weight[: 2 * d] *= 15.0  # q and k rows (std 0.3): attention logits x225
+            layer.qkv.weight[2 * d :] *= 10.0  # v rows, and the output projection: attention outweighs the residual
+            layer.out.weight *= 3.0
+    return emb
+
+
+def test_dynamic_ntk_base_is_per_sequence(make_tiny):
+    """nomic-embed-v1 Eq. 5 with l = the text's own length: batch-mates longer than L must not change a text."""
+    emb = _sharp_nomic(make_tiny)
+    short, medium = "sparse experts route tokens", " ".join(["the history of science"] * 5)  # 7 and 22 tokens
+    long = " ".join(["computers were once rooms full of valves"] * 6)  # longer still
+    tok, enc = emb.tokenizer, emb.encoder
+    lengths = [int(tok([t]).attention_mask.sum()) for t in (short, medium, long)]
+    assert lengths[0] <= 16 < lengths[1] < lengths[2]
+    batch = tok([short, medium, long])
+    with torch.no_grad():
+        together = enc(batch.input_ids, batch.attention_mask).last_hidden_state
+        for row, text in enumerate((short, medium, long)):
+            alone = enc(tok([text]).input_ids).last_hidden_state[0]
+            torch.testing.assert_close(together[row, : lengths[row]], alone, rtol=1e-5, atol=1e-5)
+        # the test can fail: in this model the short text is far from itself under a rescaled base (as if L were 4)
+        emb.config.max_position = 4
+        try:
+            rescaled = enc(tok([short]).input_ids).last_hidden_state[0]
+        finally:
+            emb.config.max_position = 16
+        assert (rescaled - together[0, : lengths[0]]).abs().max() > 1e-2
+    vecs = emb.encode([short, medium, long], batch_size=3)
+    for i, text in enumerate((short, medium, long)):
+        np.testing.assert_allclose(emb.encode([text])[0], vecs[i], atol=1e-5)
+
+
+def test_training_positions_are_never_rescaled(make_tiny):
+    """Dynamic NTK is off in training: a batch longer than L sees the trained base, as with dynamic_ntk off."""
+    emb = _sharp_nomic(make_tiny)
+    enc = emb.encoder
+    batch = emb.tokenizer(["sparse experts route tokens", " ".join(["computers were once rooms of valves"] * 6)])
+    assert batch.input_ids.shape[1] > 16
+    enc.train()
+    trained = enc(batch.input_ids, batch.attention_mask).last_hidden_state
+    enc.eval()
+    enc.config.dynamic_ntk = False
+    try:
+        with torch.no_grad():
+            plain = enc(batch.input_ids, batch.attention_mask).last_hidden_state
+    finally:
+        enc.config.dynamic_ntk = True
+    torch.testing.assert_close(trained.detach(), plain, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert (enc(batch.input_ids, batch.attention_mask).last_hidden_state - plain).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("family", ["bert", "nomic"])

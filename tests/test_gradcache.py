@@ -1,5 +1,6 @@
 """GradCache parity: cached and plain steps give the same losses and parameter gradients (dense and MoE,
-Matryoshka, hard negatives, symmetric loss, auxiliary losses), and chunks replay their RNG (dropout, jitter)."""
+Matryoshka, hard negatives, symmetric loss, auxiliary losses; float64, and float32 with the CPU fast path in the
+no-grad pass), and chunks replay their RNG (dropout, jitter)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,32 @@ def test_cached_equals_plain(make_tiny, moe):
         assert len(result.expert_counts) == 1 and result.expert_counts[0].sum() > 0
         router = [g for n, g in grads.items() if "router" in n]
         assert router and all(g.abs().max() > 0 for g in router)
+
+
+@pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)], ids=["dense", "moe"])
+def test_cached_equals_plain_in_float32_with_the_cpu_fast_path(make_tiny, moe, monkeypatch, one_torch_thread):
+    """In float32 on CPU the no-grad pass of GradCache runs the oneDNN fast path (packed weights) and the replay
+    the plain kernels: the cached embeddings and the replayed ones must agree, so loss and gradients match the
+    plain step to float32 rounding."""
+    from moembed.model.linear import Linear, fastpath_enabled
+
+    monkeypatch.delenv("MOEMBED_NO_FASTPATH", raising=False)
+    if not fastpath_enabled():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    packed, real = [], Linear._packed_weight
+    monkeypatch.setattr(Linear, "_packed_weight", lambda self: packed.append(1) or real(self))
+    model = make_tiny(moe=moe, hidden_dropout=0.0, attention_dropout=0.0).train()
+    assert next(model.parameters()).dtype == torch.float32
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2):  # the second time after an optimizer step: the packed weights must follow the update
+        plain = _run(model, None)
+        assert not packed  # everything under grad: plain kernels
+        cached = _run(model, 4)
+        assert packed  # the no-grad pass took the fast path
+        packed.clear()
+        _assert_same(plain, cached, tol=2e-5)  # gaps measured ~1e-5 at most; gradients up to ~5
+        assert all(g.abs().max() > 0 for g in plain[1].values())
+        opt.step()
 
 
 def test_aux_gradient_parity_alone(make_tiny):

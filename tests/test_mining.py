@@ -1,4 +1,5 @@
-"""Hard-negative mining never returns a positive and respects Eq. 5; FAISS and exact search agree; rank split."""
+"""Hard-negative mining never returns a positive and respects Eq. 5 (whatever the sign of the positive's score);
+FAISS and exact search agree; curation split across 2 real gloo ranks."""
 
 from __future__ import annotations
 
@@ -62,6 +63,21 @@ def test_mining_excludes_positives_and_respects_margins():
     assert no_margin[0][0] == 100 and 100 not in margin[0] and len(margin[0]) == 3
 
 
+def test_margin_keeps_negatives_below_a_negative_positive_score():
+    # Eq. 5 for pos >= 0 (pos x 0.95); for pos < 0 the same gap of 5% of |pos| under the positive, never above it.
+    cfg = MiningConfig(margin=0.95)
+    pos = np.array([0.8, 0.0, -0.2, -1.0])
+    np.testing.assert_allclose(cfg.threshold(pos), [0.76, 0.0, -0.21, -1.05])
+    assert np.all(cfg.threshold(pos) <= pos)
+    assert MiningConfig(margin=0.9, abs_margin=0.05).threshold(np.array([-0.2]))[0] == pytest.approx(-0.25)
+    # End to end: the positive scores -0.6 (a poor teacher); the candidates at -0.1 and -0.58 rank above it and
+    # must not be mined (pos x 0.95 = -0.57 would take -0.58); -0.7 is more than 5% of |pos| below it, -0.61 not.
+    q = np.array([[1.0, 0.0]], np.float32)
+    docs = _unit(np.array([[-0.6, 0.8], [-0.1, 0.995], [-0.58, 0.815], [-0.61, 0.792], [-0.7, 0.714]]))
+    idx, scores = mine(q, docs, np.array([0]), [{0}], MiningConfig(num_negatives=4), backend="exact")
+    assert idx == [[4]] and scores[0][0] == pytest.approx(-0.7, abs=1e-3)
+
+
 def test_mine_command_output_format(tmp_path, make_tiny):
     model_dir = tmp_path / "model"
     make_tiny(seed=3).save(model_dir)
@@ -93,19 +109,84 @@ def test_mine_command_output_format(tmp_path, make_tiny):
     assert np.allclose(scores[1:], r["negative_scores"], atol=1e-4) and np.all(scores[1:] <= 0.95 * scores[0] + 1e-5)
 
 
-def test_embedding_work_is_split_across_ranks(make_tiny, monkeypatch):
-    """Under torchrun each rank embeds texts[rank::world]; gathering restores the input order."""
-    emb = make_tiny(seed=4)
-    texts = [f"sentence number {i} about topic {i % 3}" for i in range(7)]
-    full = embed(emb, texts, "document")
-    other = emb.encode(texts[1::2], prompt="search_document", normalize=True)  # what rank 1 would embed
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(distributed, "rank", lambda: 0)
-    sent = []
-    monkeypatch.setattr(distributed, "all_gather_object", lambda obj: sent.append(obj) or [obj, other])
-    gathered = embed(emb, texts, "document")
-    assert sent[0].shape == (4, emb.dim)  # rank 0 embedded texts 0, 2, 4, 6 only
-    assert np.abs(gathered - full).max() < 1e-4, np.abs(gathered - full).max(1)
+SPLIT_TEXTS = [f"sentence number {i} about topic {i % 3}" for i in range(7)]
+
+
+def _curate_on_two_ranks(rank: int, world: int, port: int, model_dir: str, data: str, out: str) -> None:
+    """One of 2 gloo ranks: embed SPLIT_TEXTS, then curate `data` (filter + mine); record what this rank embedded."""
+    import os
+
+    import torch
+
+    from moembed.data.curate import CurateConfig, curate
+    from moembed.model.embedder import Embedder
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    assert distributed.init_from_env(backend="gloo") and distributed.world_size() == 2 and distributed.rank() == rank
+    try:
+        emb = Embedder.load(model_dir)
+        seen, real = [], emb.encode
+        emb.encode = lambda texts, **kw: seen.extend(texts) or real(texts, **kw)
+        x = embed(emb, SPLIT_TEXTS, "document")
+        split_seen = list(seen)
+        cfg = CurateConfig(shard_size=40, top_k=3, mining=MiningConfig(num_negatives=2))
+        report = curate(data, f"{out}/kept.jsonl", emb, cfg, work_dir=f"{out}/work", show_progress=False)
+        result = {"x": x.tolist(), "seen": split_seen, "curate_embedded": len(seen) - len(split_seen), "report": report}
+        with open(f"{out}/rank{rank}.json", "w") as fh:
+            json.dump(result, fh)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_curation_is_split_across_two_gloo_ranks(tmp_path, make_tiny):
+    """On 2 real gloo ranks each rank embeds texts[rank::2]; the gathered embeddings, and the filtered and mined
+    output rank 0 writes, equal those of one process doing everything."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from moembed.data.curate import CurateConfig, curate
+    from moembed.model.embedder import Embedder
+
+    model_dir = tmp_path / "model"
+    make_tiny(seed=4).save(model_dir)
+    emb = Embedder.load(model_dir)
+    pairs, _ = clean_pairs(read_dataset("chatterbot-english"))
+    rows = [{"query": p.query, "document": p.document, "source": p.source, "lang": p.lang}
+            for p in random.Random(5).sample(pairs, 70)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen, real = [], emb.encode
+    emb.encode = lambda texts, **kw: seen.extend(texts) or real(texts, **kw)
+    full = embed(emb, SPLIT_TEXTS, "document")
+    cfg = CurateConfig(shard_size=40, top_k=3, mining=MiningConfig(num_negatives=2))
+    ref = curate(data, tmp_path / "ref.jsonl", emb, cfg, work_dir=tmp_path / "ref-work", show_progress=False)
+    single_embedded = len(seen) - len(SPLIT_TEXTS)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ranks"
+    out.mkdir()
+    mp.spawn(_curate_on_two_ranks, args=(2, port, str(model_dir), str(data), str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    for r, res in enumerate(ranks):
+        assert res["seen"] == SPLIT_TEXTS[r::2]  # this rank embedded its slice only
+        assert np.abs(np.array(res["x"], np.float32) - full).max() < 1e-5  # gathered in input order, on every rank
+        assert 0 < res["curate_embedded"] < single_embedded
+    assert ranks[0]["curate_embedded"] + ranks[1]["curate_embedded"] == single_embedded  # no text embedded twice
+    report = ranks[0]["report"]  # rank 0 searches, writes and reports
+    assert report["sources"] == ref["sources"] and report["kept"] == ref["kept"] and report["pairs"] == len(rows)
+    got = [json.loads(x) for x in (out / "kept.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (tmp_path / "ref.jsonl").read_text().splitlines()]
+    assert 0 < len(got) == len(want) < len(rows)
+    for g, w in zip(got, want):
+        drop = lambda r: {k: v for k, v in r.items() if k != "negative_scores"}  # noqa: E731
+        assert drop(g) == drop(w)
+        assert np.allclose(g["negative_scores"], w["negative_scores"], atol=1e-5)
 
 
 def test_config_errors_name_the_key():

@@ -180,6 +180,30 @@ def test_capacity_factor_drops_overflow_and_equals_dropless_when_large():
     assert torch.all(y[dropped] == 0) and torch.all(y[kept].abs().sum(1) > 0)
 
 
+def test_capacity_factor_never_drops_at_inference(make_tiny):
+    """A text's embedding must not depend on its batch: capacity (shared by the batch) applies in training only."""
+    moe = MoEConfig(num_experts=4, top_k=2, every=1, offset=0, capacity_factor=0.5)  # C = N/4: half the assignments
+    emb = make_tiny("bert", moe=moe, hidden_dropout=0.0, attention_dropout=0.0)
+    dropless = make_tiny("bert", moe=moe.model_copy(update={"capacity_factor": None}))
+    dropless.encoder.load_state_dict(emb.encoder.state_dict())
+    short = "sparse experts route tokens"
+    alone = emb.tokenizer([short])
+    batch = emb.tokenizer(real_texts(12) + [short])  # the short text last: batch-mates come first in token order
+    n = int(alone.attention_mask.sum())
+
+    def hidden(model, b, row):
+        return model.encoder(b.input_ids, b.attention_mask).last_hidden_state[row, :n]
+
+    with torch.no_grad():
+        ref = hidden(dropless, alone, 0)
+        torch.testing.assert_close(hidden(emb, alone, 0), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden(emb, batch, -1), ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(emb.encode([short]), emb.encode(real_texts(12) + [short])[-1:], atol=1e-5)
+        emb.train()  # training keeps the capacity: the batch-mates take the short text's slots
+        assert (hidden(emb, batch, -1) - hidden(dropless, batch, -1)).abs().max() > 1e-2
+    emb.eval()
+
+
 def test_router_jitter_only_in_training():
     blk = MoEBlock(block_config("gelu", True, router_jitter=0.5)).eval()
     x = torch.randn(20, 32)

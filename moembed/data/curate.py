@@ -171,7 +171,8 @@ def curate(data, out, teacher, cfg: CurateConfig, work_dir=None, skip_bad: bool 
     report = _report(data, out, stats, per_source, shards, resumed, timing)
     if distributed.rank() == 0:
         _concatenate(work, shards, out)
-        out.with_name(out.name + ".report.json").write_text(json.dumps(report, indent=2) + "\n")
+        with atomic_path(out.with_name(out.name + ".report.json")) as tmp:
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
         if own_work:
             shutil.rmtree(work)
     distributed.barrier()

@@ -4,6 +4,14 @@ The teacher retrieves candidates for each query among the shard's documents (of 
 every document paired with the same query text — are excluded, and a candidate is dropped as a likely false
 negative when its score exceeds the threshold of Eq. 5, threshold = pos_score × margin (default 0.95), or, with
 `abs_margin`, pos_score − abs_margin. Up to M survivors are kept, best first, with their scores.
+
+Eq. 5 is written for positive scores. A weak teacher (or a hard pair) can score the positive below zero, and then
+pos × 0.95 lies *above* pos and would admit candidates the teacher ranks over the positive. We keep the margin's
+meaning, a gap of (1 − margin) × |pos| under the positive, for either sign:
+
+    threshold = pos − (1 − margin) · |pos|      (= pos × margin, Eq. 5, when pos ≥ 0)
+
+so with margin ≤ 1 every accepted negative scores at most the positive.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ class MiningConfig(BaseModel):
         """Highest accepted negative score for each positive score (n,) → (n,)."""
         t = np.full_like(pos, np.inf)
         if self.margin is not None:
-            t = np.minimum(t, pos * self.margin)  # Eq. 5
+            # Eq. 5 (pos × margin) for pos ≥ 0; the same relative gap below pos when pos < 0 (module docstring)
+            below = np.where(pos >= 0, pos * self.margin, pos - (1.0 - self.margin) * np.abs(pos))
+            t = np.minimum(t, below)
         if self.abs_margin is not None:
             t = np.minimum(t, pos - self.abs_margin)
         return t

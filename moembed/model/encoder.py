@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from moembed.model.config import EncoderConfig
 from moembed.model.linear import Linear
-from moembed.model.rope import apply_rope, ntk_base, rope_cos_sin
+from moembed.model.rope import apply_rope, batch_cos_sin, rope_cos_sin
 
 
 @dataclass
@@ -174,12 +174,16 @@ class Encoder(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def rotary_tables(self, seq_len: int, device, dtype):
+    def batch_rotary_tables(self, mask: torch.Tensor, dtype):
+        """cos, sin for a padded batch (mask (B, T)): (T, D) shared, or (B, 1, T, D) when Dynamic NTK gives some
+        sequence its own base. Each sequence's base comes from its own real length (`rope.batch_cos_sin`), so a text
+        is encoded the same whatever it is batched with. Training never rescales (the trained positions)."""
         c = self.config
-        base = c.rope_base
-        if c.dynamic_ntk and not self.training:
-            base = ntk_base(base, c.head_dim, seq_len, c.max_position, c.ntk_alpha)
-        return rope_cos_sin(seq_len, c.head_dim, base, device=device, dtype=dtype)
+        T = mask.shape[1]
+        if not c.dynamic_ntk or self.training or T <= c.max_position:
+            return rope_cos_sin(T, c.head_dim, c.rope_base, device=mask.device, dtype=dtype)
+        lengths = mask.sum(1)  # (B,) real tokens per sequence
+        return batch_cos_sin(lengths, T, c.head_dim, c.rope_base, c.max_position, c.ntk_alpha, dtype=dtype)
 
     def forward(
         self,
@@ -196,7 +200,7 @@ class Encoder(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_position {self.config.max_position}")
         cos = sin = None
         if self.config.position == "rotary":
-            cos, sin = self.rotary_tables(T, input_ids.device, torch.float32)
+            cos, sin = self.batch_rotary_tables(mask, torch.float32)
         ctx = _Context(mask, cos, sin)
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         flat = lambda t: t.flatten() if ctx.full else t.flatten().index_select(0, ctx.index)  # noqa: E731

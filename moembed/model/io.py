@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moembed.errors import MoembedError, config_error
-from moembed.fileio import atomic_dir
+from moembed.fileio import atomic_dir, recover_dir
 from moembed.model.config import EncoderConfig
 from moembed.model.families import converter_for, exporter_for
 from moembed.model.tokenizer import TextTokenizer
@@ -80,6 +80,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 def read_parts(path: str | Path, max_length: int | None = None) -> ModelParts:
     """The parts of a moembed directory, a sentence-transformers directory, or a Hugging Face directory."""
     path = Path(path)
+    recover_dir(path)  # a replacement of this directory interrupted by a kill (fileio: rename-aside fallback)
     if not path.is_dir():
         raise MoembedError(f"{path}: not a model directory")
     cfg = _read_json(path / "config.json")

@@ -219,7 +219,8 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r = self.route(x)
         counts = torch.bincount(r.experts.flatten(), minlength=self.num_experts)  # (E,)
-        if self.capacity_factor is not None:
+        # Capacity in training only: at inference no batch-mate may take a token's expert slot (always dropless).
+        if self.capacity_factor is not None and self.training:
             out = self._forward_capacity(x, r)
         elif self.dispatch_mode == "naive":
             out = self._forward_naive(x, r)

@@ -1,7 +1,8 @@
 """Atomic, resumable training checkpoints.
 
-A checkpoint is a directory `<dir>/step-00001234/` written under a temporary name and renamed into place
-(`moembed.fileio.atomic_dir`), so a run killed at any moment leaves only complete checkpoints behind:
+A checkpoint is a directory `<dir>/step-00001234/` written under a temporary name, fsynced and renamed into place
+(`moembed.fileio.atomic_dir`); old ones are deleted atomically too. A run killed at any moment leaves only complete
+checkpoints behind, and a full disk during a save raises a MoembedError with the earlier checkpoints intact:
 
     model.safetensors   the trained module's weights (tied weights stored once)
     optimizer.pt        optimizer state_dict
@@ -26,7 +27,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from moembed.errors import MoembedError
-from moembed.fileio import atomic_dir
+from moembed.fileio import atomic_dir, recover_dir, remove_dir
 
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -96,8 +97,15 @@ class CheckpointManager:
         return target
 
     def _prune(self) -> None:
+        """Delete all but the last `keep_last` checkpoints, each atomically (never a half-deleted `step-*`), and the
+        hidden leftovers of saves or deletions that a kill interrupted (one trainer writes a checkpoint directory)."""
         for old in self.all()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_dir(old)
+        for p in self.dir.iterdir():
+            if p.name.startswith(".step-") and p.name.endswith(".old"):
+                recover_dir(self.dir / p.name[1:-4])  # an interrupted replacement: restored or dropped
+            elif p.name.startswith(".step-") and p.name.endswith(".tmp"):
+                shutil.rmtree(p, ignore_errors=True)
 
     def load(self, path: Path, model: nn.Module, optimizer, scheduler, rank: int = 0) -> Resumed:
         """Restore everything saved by `save` into the given objects; returns the step and data position."""

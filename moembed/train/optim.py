@@ -13,6 +13,7 @@ Schedules (multiplier of the peak `lr` at optimizer step s, 0-based; W = warmup_
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -42,8 +43,21 @@ def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine
 
 
+# The role of a parameter, read from its name: biases (dense `bias`, stacked expert `fc1_bias`/`fc2_bias`, MoVE's
+# `b1`/`b2`) and normalisation parameters are not decayed, whatever their shape. Stacking E experts' biases gives a
+# 2-d (E, ·) tensor that is still a set of biases, so the dimension alone cannot decide.
+_NO_DECAY_LEAF = re.compile(r"^(bias|\w+_bias|b\d+)$")
+
+
+def _decays(name: str, p: nn.Parameter) -> bool:
+    """Whether weight decay applies to parameter `name`: weight matrices yes; biases, norms, 1-d tensors no."""
+    leaf = name.rsplit(".", 1)[-1]
+    return p.dim() >= 2 and "norm" not in name and not _NO_DECAY_LEAF.match(leaf)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only; biases, LayerNorm and 1-d parameters are not decayed.
+    """Weight decay on weight matrices only; biases (dense or stacked per expert), norms and 1-d parameters are not
+    decayed (`_decays`).
 
     Tied parameters (an MLM decoder sharing the word embeddings) appear once.
     """
@@ -52,7 +66,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+        (decay if _decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
