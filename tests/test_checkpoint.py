@@ -123,8 +123,9 @@ def _group_names(model: nn.Module) -> tuple[set[str], set[str]]:
 def test_stacked_expert_and_move_biases_are_not_decayed():
     # The (E, r) / (E, d) expert biases and MoVE's (K, ·) b1 / b2 are 2-d but are biases, exempt like the dense
     # biases they came from; the stacked weight matrices are decayed.
-    from moembed.model.config import MoEConfig, MoVEConfig, tiny_config
+    from moembed.model.config import MoEConfig, MoVEConfig
     from moembed.model.encoder import Encoder
+    from moembed.model.presets import tiny_config
 
     moe = Encoder(tiny_config(moe=MoEConfig(num_experts=4, top_k=2)))
     decay, no_decay = _group_names(moe)
