@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -87,6 +88,7 @@ def start(kind: str, model: str, threads: int, infinity: str | None) -> tuple[su
         cmd = [sys.executable, __file__, "--diy-server", str(port), "--model", model]
     else:
         env.pop("PYTHONPATH")
+        env.update(DO_NOT_TRACK="1", INFINITY_ANONYMOUS_USAGE_STATS="0")  # no telemetry calls (no network here)
         cmd = [infinity, "v2", "--model-id", model, "--served-model-name", NAME, "--host", "127.0.0.1",
                "--port", str(port), "--engine", "torch", "--device", "cpu", "--url-prefix", "/v1", "--log-level", "warning"]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-serve-{kind}.log", "w")
@@ -98,7 +100,7 @@ def start(kind: str, model: str, threads: int, infinity: str | None) -> tuple[su
         if proc.poll() is not None:
             raise SystemExit(f"{kind} server exited with {proc.returncode}; see {log.name}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health" if kind != "infinity" else f"{url}/v1/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
         time.sleep(0.1)
     proc.kill()
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--diy-server", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its servers (finally)
     if args.diy_server is not None:
         return diy_server(args.model, args.diy_server)
 
