@@ -463,6 +463,9 @@ def test_minilm_through_the_openai_client(minilm_path, minilm):
         full = np.array([d.embedding for d in client.embeddings.create(model="all-MiniLM-L6-v2", input=texts).data])
         cut = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts, dimensions=128, encoding_format="float")
         solo = asyncio.run(_post_all(s.url, [{"input": t} for t in texts]))  # concurrent one-text requests
+        # MiniLM has no search_query prompt: input_type leaves the texts as they are
+        q = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts, extra_body={"input_type": "query"})
     np.testing.assert_allclose(full, minilm.encode(texts), rtol=0, atol=1e-6)
     np.testing.assert_allclose(np.array([d.embedding for d in cut.data]), minilm.encode(texts, dim=128), atol=1e-6)
     np.testing.assert_allclose(np.concatenate([rows(r) for r in solo]), full, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.array([d.embedding for d in q.data]), full, rtol=0, atol=1e-6)
