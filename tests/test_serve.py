@@ -38,8 +38,8 @@ TEXTS = [
     "Der schnelle braune Fuchs springt über den faulen Hund.",
     "what is the capital of France?",
 ]
-LONG = "word " * 200
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: thread hand-offs cost more than they save  # far beyond the tiny models' 64-token maximum
+LONG = "word " * 200  # far beyond the tiny models' 64-token maximum
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: thread hand-offs cost more than they save
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,8 @@ class EmbeddingService:
     def _check(self, req: EmbeddingRequest) -> None:
         eng = self.engine
         if req.model is not None and req.model != eng.name:
-            raise ApiError(404, f"model: unknown model {req.model!r}; this server serves {eng.name!r}", "model", "model_not_found")
+            raise ApiError(404, f"model: unknown model {req.model!r}; this server serves {eng.name!r}", "model",
+                           "model_not_found")
         if len(req.input) > self.config.max_client_batch:
             raise ApiError(413, f"input: {len(req.input)} texts exceed the limit of {self.config.max_client_batch} "
                            "per request (--max-client-batch)", "input", "too_many_inputs")

@@ -174,7 +174,8 @@ class Batcher:
         self._done(len(batch))
         if self.on_batch is not None:
             lengths = [max(len(it.ids), 1) for it in batch]
-            self.on_batch(BatchStats(len(batch), len(batch) * max(lengths), sum(lengths), time.perf_counter() - t0, self._waiting))
+            seconds = time.perf_counter() - t0
+            self.on_batch(BatchStats(len(batch), len(batch) * max(lengths), sum(lengths), seconds, self._waiting))
 
     def _done(self, n: int) -> None:
         with self._cond:

@@ -11,7 +11,6 @@ through `Engine.embed` (on the batcher's worker thread only), and shapes outputs
 
 from __future__ import annotations
 
-import logging
 from contextlib import nullcontext
 from typing import Protocol
 
@@ -19,8 +18,6 @@ import numpy as np
 import torch
 
 from moembed.errors import MoembedError
-
-log = logging.getLogger("moembed")
 
 # API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt
 # gets no prefix: its texts are embedded as given.
