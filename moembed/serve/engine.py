@@ -1,0 +1,130 @@
+"""Everything the server asks of a model, behind one small interface.
+
+The server never touches the Embedder directly: it tokenizes through `Engine.tokenize`, runs forward passes
+through `Engine.embed` (on the batcher's worker thread only), and shapes outputs through `Engine.postprocess`.
+`EmbedderEngine` implements the interface on `moembed.Embedder`; tests substitute slow or gated engines.
+
+    >>> eng = EmbedderEngine.load("path/to/model", device="auto")
+    >>> ids, truncated = eng.tokenize(["what is a sparse MoE?"], input_type="query")
+    >>> eng.postprocess(eng.embed(ids), dim=256, precision="float32")   # (1, 256) float32, unit norm
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from moembed.errors import MoembedError
+
+# API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt
+# gets no prefix: its texts are embedded as given.
+INPUT_TYPES = {"query": "search_query", "document": "search_document"}
+# API precision → Embedder.postprocess precision. "ubinary" (sign bits packed into unsigned bytes, as
+# sentence-transformers names it) is what the Embedder calls "binary" today.
+PRECISIONS = {"float32": "float32", "int8": "int8", "ubinary": "binary"}
+
+
+class TooLong(MoembedError):
+    """A text exceeds the model's maximum length and truncation is off."""
+
+    def __init__(self, index: int, tokens: int, max_length: int):
+        super().__init__(f"input[{index}]: {tokens} tokens exceed the model's maximum of {max_length}")
+        self.index, self.tokens, self.max_length = index, tokens, max_length
+
+
+class Engine(Protocol):
+    """The model side of the server.
+
+    name: the model id clients send; dim: full embedding width; max_length: tokens per text (with specials);
+    device_type: "cpu", "cuda" or "mps"; int8_ready: whether int8 output has calibration ranges.
+    """
+
+    name: str
+    dim: int
+    max_length: int
+    device_type: str
+    int8_ready: bool
+
+    def tokenize(self, texts: list[str], input_type: str | None = None, truncate: bool = True) -> tuple[list[list[int]], int]:
+        """Token ids per text (prefix and special tokens included) and how many texts were truncated.
+        With truncate=False a text over max_length raises TooLong. Thread-safe; no torch."""
+
+    def embed(self, ids: list[list[int]]) -> torch.Tensor:
+        """One forward pass → pooled, unnormalised float32 embeddings (n, dim) on CPU. Called from one thread."""
+
+    def postprocess(self, emb: torch.Tensor, dim: int | None, precision: str) -> np.ndarray:
+        """(n, d) from `embed` → truncated to `dim`, normalised as the model does, in the API `precision`."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto → cuda, then mps, then cpu; an explicit accelerator that is absent is an error naming the choices."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MoembedError(f"--device: {name} requested but no CUDA device is available; choose auto or cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise MoembedError(f"--device: {name} requested but MPS is not available; choose auto or cpu")
+    return dev
+
+
+class EmbedderEngine:
+    """`Engine` over a loaded `moembed.Embedder`. All Embedder calls the server makes are in this class."""
+
+    def __init__(self, emb, device: torch.device, bf16: bool, name: str | None = None):
+        from tokenizers import Tokenizer
+
+        self.emb = emb.to(device).eval()
+        self.device = device
+        self.device_type = device.type
+        self.bf16 = bf16
+        self.name = name or emb.name
+        self.dim = emb.dim
+        self.max_length = emb.max_length
+        # A copy of the tokenizer that does not truncate, to refuse long texts when truncation is off.
+        self._untruncated = Tokenizer.from_str(emb.tokenizer.tokenizer.to_str())
+        self._untruncated.no_truncation()
+        self._untruncated.no_padding()
+
+    @classmethod
+    def load(cls, path: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> "EmbedderEngine":
+        from moembed.model.embedder import Embedder
+
+        dev = resolve_device(device)
+        bf16 = dev.type != "cpu" if dtype == "auto" else dtype == "bf16"
+        return cls(Embedder.load(path), dev, bf16, name)
+
+    @property
+    def int8_ready(self) -> bool:
+        return self.emb.calibration is not None
+
+    def prefix(self, input_type: str | None) -> str:
+        prompt = INPUT_TYPES.get(input_type) if input_type else None
+        return self.emb.prefix(prompt) if prompt in self.emb.prompts else ""
+
+    def tokenize(self, texts: list[str], input_type: str | None = None, truncate: bool = True) -> tuple[list[list[int]], int]:
+        texts = [self.prefix(input_type) + t for t in texts]
+        if truncate:
+            return self.emb.tokenizer.encode_ids(texts)
+        ids = [e.ids for e in self._untruncated.encode_batch(texts)]
+        for i, x in enumerate(ids):
+            if len(x) > self.max_length:
+                raise TooLong(i, len(x), self.max_length)
+        return ids, 0
+
+    def embed(self, ids: list[list[int]]) -> torch.Tensor:
+        input_ids, mask = self.emb.tokenizer.pad(ids)  # (B, T) each
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        with torch.inference_mode(), amp:
+            out = self.emb(input_ids.to(self.device), mask.to(self.device)).embeddings  # (B, d)
+        return out.float().cpu()
+
+    def postprocess(self, emb: torch.Tensor, dim: int | None, precision: str) -> np.ndarray:
+        return self.emb.postprocess(emb, dim, PRECISIONS[precision])

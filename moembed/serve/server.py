@@ -1,0 +1,48 @@
+"""Run the app under uvicorn: load the model, warn about open binds, drain on SIGTERM and exit 0.
+
+On SIGTERM (or Ctrl-C) uvicorn stops accepting connections, lets requests in flight finish (at most
+`graceful_timeout` seconds), then the app's lifespan drains the batcher's queue and stops its worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import uvicorn
+
+from moembed.serve.app import build_app
+from moembed.serve.config import API_KEY_ENV, ServeConfig
+from moembed.serve.engine import EmbedderEngine
+
+log = logging.getLogger("moembed")
+
+
+def bind_warning(config: ServeConfig) -> str | None:
+    """The warning for a bind address other machines can reach, when no API key protects it."""
+    if config.loopback or config.api_key is not None:
+        return None
+    return (f"serving on {config.host} without an API key: anyone who can reach this address can use the model "
+            f"(set --api-key or {API_KEY_ENV})")
+
+
+def uvicorn_server(app, config: ServeConfig) -> uvicorn.Server:
+    """A uvicorn server for `app` (from build_app) with the config's address and graceful timeout; not started."""
+    uv = uvicorn.Config(
+        app, host=config.host, port=config.port, lifespan="on", access_log=False, log_level="info",
+        timeout_graceful_shutdown=config.graceful_timeout,
+    )
+    return uvicorn.Server(uv)
+
+
+def run(config: ServeConfig) -> None:
+    """Serve until SIGTERM/SIGINT; returns once everything in flight has been answered."""
+    warning = bind_warning(config)
+    if warning:
+        log.warning(warning)
+    engine = EmbedderEngine.load(config.model, config.device, config.dtype, config.served_model_name)
+    server = uvicorn_server(build_app(engine, config), config)
+    # uvicorn re-raises the signal it caught once it has shut down gracefully; by then all work is done, so
+    # SIGTERM ends the process with status 0 instead of "killed by SIGTERM".
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
