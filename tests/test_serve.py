@@ -45,9 +45,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: thread 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, minilm_path):
     """Tiny random models saved to disk: 'dense' (with int8 calibration) and 'moe' (every layer MoE)."""
-    from moembed.model.config import MoEConfig, tiny_config
+    from moembed.model.config import MoEConfig
     from moembed.model.embedder import Embedder
     from moembed.model.encoder import Encoder
+    from moembed.model.presets import tiny_config
     from moembed.model.tokenizer import TextTokenizer
 
     out = {}

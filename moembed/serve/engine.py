@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 
 # API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt
@@ -53,26 +54,12 @@ class Engine(Protocol):
         With truncate=False a text over max_length raises TooLong. Thread-safe; no torch."""
 
     def embed(self, ids: list[list[int]]) -> torch.Tensor:
-        """One forward pass → pooled, unnormalised float32 embeddings (n, dim) on CPU. Called from one thread."""
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        with amp:
+            return self.emb.embed_ids(ids)  # (B, d) float32 on the CPU
 
     def postprocess(self, emb: torch.Tensor, dim: int | None, precision: str) -> np.ndarray:
         """(n, d) from `embed` → truncated to `dim`, normalised as the model does, in the API `precision`."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto → cuda, then mps, then cpu; an explicit accelerator that is absent is an error naming the choices."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MoembedError(f"--device: {name} requested but no CUDA device is available; choose auto or cpu")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise MoembedError(f"--device: {name} requested but MPS is not available; choose auto or cpu")
-    return dev
 
 
 class EmbedderEngine:
@@ -112,7 +99,7 @@ class EmbedderEngine:
     def tokenize(self, texts: list[str], input_type: str | None = None, truncate: bool = True) -> tuple[list[list[int]], int]:
         texts = [self.prefix(input_type) + t for t in texts]
         if truncate:
-            return self.emb.tokenizer.encode_ids(texts)
+            return self.emb.token_ids(texts)
         ids = [e.ids for e in self._untruncated.encode_batch(texts)]
         for i, x in enumerate(ids):
             if len(x) > self.max_length:
