@@ -161,8 +161,8 @@ class Trainer:
         inputs, labels = mask_tokens(ids, self.cfg.mlm.mask_prob, mask_id(tok), self.embedder.config.vocab_size,
                                      special_ids(tok), g)
         out = self.module(inputs.to(self.device), labels.to(self.device))
-        out.loss.backward()
-        dist.all_reduce_gradients(self.module)
+        with dist.synchronised_gradients(self.module) as last_backward, last_backward():
+            out.loss.backward()
         rec = {"source": name, "loss": _scalar(out.loss), "mlm": _scalar(out.mlm), "aux": _scalar(out.aux),
                "masked": out.num_masked, "expert_load": expert_load(out.expert_counts)}
         return rec, self.cfg.batch_size * self.cfg.mlm.seq_len
