@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_path, iter_jsonl, read_yaml, write_jsonl
@@ -55,8 +55,19 @@ class QuickTrain(_Strict):
     aux_loss_coef: float = Field(1.0, ge=0)
     max_query_length: int = Field(32, ge=4)
     max_doc_length: int = Field(96, ge=4)
-    bf16: bool = True
+    bf16: bool | Literal["auto"] = Field("auto", validate_default=True)  # auto: moembed.model.linear.bf16_is_fast
     checkpoint_every: int = Field(10, ge=1)
+
+    @field_validator("bf16")
+    @classmethod
+    def _resolve_bf16(cls, v):
+        if v != "auto":
+            return v
+        import torch
+
+        from moembed.model.linear import bf16_is_fast
+
+        return bf16_is_fast("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class QuickEval(_Strict):
