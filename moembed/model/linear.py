@@ -135,14 +135,14 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     xs = x.new_empty(n + 1, k)  # (N + 1, k) the rows, scaled, then the fixed row
     xs[:n] = x
     xs[:n].index_fill_(1, w.outliers, 0.0)
-    m = torch.linalg.vector_norm(xs[:n], float("inf"), dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1)
+    m = xs[:n].abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1) (faster than an inf-norm here)
     xs[:n] /= m
     xs[n] = 0.0
     xs[n, :2] = torch.tensor([1.0, -1.0])
     y = torch.ops.quantized.linear_dynamic(xs, w.packed, True)[:n]  # (N, n)
     y = torch.addcmul(w.bias, y, m) if w.bias is not None else y.mul_(m)
     if w.outliers.numel():
-        y.addmm_(x[:, w.outliers], w.w_outliers)
+        y.addmm_(x.index_select(1, w.outliers), w.w_outliers)  # (N, o) @ (o, n)
     return y
 
 
