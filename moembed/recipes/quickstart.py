@@ -203,6 +203,11 @@ class Quickstart:
 
         dense = Embedder.load(self.base)
         dense.prompts = dict(_PROMPTS)  # both trained models use the Nomic task prefixes
+        # No attention dropout while finetuning: with it, attention on CPU leaves the fused (flash) kernel for one
+        # that stores every (B, heads, T, T) score matrix and mask, a quarter of a step's activation memory.
+        dense.encoder.config = dense.config.model_copy(update={"attention_dropout": 0.0})
+        for layer in dense.encoder.layers:
+            layer.attention_dropout = 0.0
         moe = upcycle(dense, self.cfg.experts, self.cfg.top_k, self.cfg.every, seed=self.cfg.seed)
         moe.name = "minilm-moe"
         moe.save(self.out / "models" / "moe-init")
