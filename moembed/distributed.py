@@ -88,22 +88,25 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 class GradientSync:
     """Averages a module's gradients over ranks with bucketed asynchronous all-reduces, as DDP does.
 
-    Every parameter's `.grad` is a view into one of a few flat buckets (about `bucket_mb` MiB each, filled in
-    reverse parameter order, the order in which backward produces gradients), so no flat copy of all gradients is
-    ever made. During the pass wrapped in `overlap()` — the last backward of the step — a hook notes each
-    parameter whose gradient is final, and as soon as a bucket is complete its all-reduce is launched
-    asynchronously while backward goes on computing the earlier layers. Buckets are launched strictly in index
-    order, so every rank issues the same collectives in the same order even when a parameter gets no gradient
-    on one rank (its bucket, and the ones after it, then go at `finish()`).
-
-    Under GradCache the parameters receive gradient once per replayed chunk; only the last replay is wrapped in
-    `overlap()`, since a bucket is final only after it.
+    Parameters are grouped in buckets of about `bucket_mb` MiB, in reverse parameter order (the order in which
+    backward produces gradients; the first bucket is small so that communication starts early). Each step:
+    - `prepare()` (after the optimizer's zero_grad) starts with no bucket memory at all;
+    - when backward produces a parameter's gradient, a hook moves it into its bucket, a flat buffer allocated with
+      the bucket's first gradient, and makes `.grad` a view of it; later backward passes (GradCache's replays)
+      accumulate into that view in place. No gradient exists twice for long, and no flat copy of all gradients is
+      made: the flat buffers are the gradients;
+    - during the pass wrapped in `overlap()` — the last backward of the step, after which the gradients are final —
+      a bucket whose parameters are all done is all-reduced asynchronously while backward goes on with the earlier
+      layers. Buckets are launched strictly in index order, so every rank issues the same collectives in the same
+      order even when a parameter gets no gradient on one rank (its bucket, and those after it, go at `finish()`);
+    - `finish()` launches the rest, waits, divides by the number of ranks, and lets go of the buffers (the `.grad`
+      views keep them alive until the next zero_grad).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         self.params = params
         self.buckets: list[list[torch.nn.Parameter]] = []
-        limit, size = first_bucket_mb * 2**20, 0.0  # a small first bucket starts communication early (as DDP)
+        limit, size = first_bucket_mb * 2**20, 0.0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
             if not self.buckets or size + nbytes > limit or self._key(self.buckets[-1][0]) != self._key(p):
@@ -113,8 +116,14 @@ class GradientSync:
                 size = 0.0
             self.buckets[-1].append(p)
             size += nbytes
-        self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.bucket_of, self.offset = {}, {}
+        for i, bucket in enumerate(self.buckets):
+            start = 0
+            for p in bucket:
+                self.bucket_of[id(p)], self.offset[id(p)] = i, start
+                start += p.numel()
+        self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        self.flat: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._armed, self._ready, self._seen, self._work = False, [0] * len(self.buckets), set(), []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -122,23 +131,29 @@ class GradientSync:
     def _key(p: torch.Tensor) -> tuple:
         return (p.dtype, p.device)
 
-    def _views(self, i: int) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in self.buckets[i]:
-            views.append(self.flat[i][offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
+    def _view(self, p: torch.Tensor) -> torch.Tensor:
+        """p's slice of its bucket (allocated, zeroed, on first use in the step)."""
+        i, start = self.bucket_of[id(p)], self.offset[id(p)]
+        if self.flat[i] is None:
+            self.flat[i] = torch.zeros(self.sizes[i], dtype=p.dtype, device=p.device)
+        return self.flat[i][start : start + p.numel()].view_as(p)
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        """Make p.grad the view of its bucket, moving the gradient there if autograd allocated it elsewhere."""
+        view = self._view(p)
+        if p.grad is None:
+            p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
 
     def prepare(self) -> None:
-        """Make every `.grad` a view of its bucket, holding the gradient accumulated so far (zeros if none)."""
-        for i, bucket in enumerate(self.buckets):
-            for p, view in zip(bucket, self._views(i)):
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+        """Start a step: gradients already present (not zeroed by the caller) move into their buckets."""
+        self.flat = [None] * len(self.buckets)
         self._ready, self._seen, self._work = [0] * len(self.buckets), set(), []
+        for p in self.params:
+            if p.grad is not None:
+                self._adopt(p)
 
     @contextmanager
     def overlap(self):
@@ -150,6 +165,7 @@ class GradientSync:
             self._armed = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._adopt(p)
         if not self._armed or id(p) in self._seen:
             return
         self._seen.add(id(p))
@@ -159,8 +175,8 @@ class GradientSync:
             self._launch(len(self._work))
 
     def _launch(self, i: int) -> None:
-        if self.buckets[i][0].grad is None or self.buckets[i][0].grad.data_ptr() != self.flat[i].data_ptr():
-            raise RuntimeError("gradient buckets were replaced during the step; call prepare() after zero_grad()")
+        for p in self.buckets[i]:  # parameters without any gradient this step take part as zeros
+            self._adopt(p)
         self._work.append(dist.all_reduce(self.flat[i], op=dist.ReduceOp.SUM, async_op=True))
 
     def finish(self) -> None:
@@ -170,6 +186,7 @@ class GradientSync:
         for work, flat in zip(self._work, self.flat):
             work.wait()
             flat /= world_size()
+        self.flat = [None] * len(self.buckets)
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -188,7 +205,7 @@ def synchronised_gradients(module: torch.nn.Module):
             with last_backward():
                 loss.backward()
 
-    One process: nothing happens (`overlap` is a no-op). The buckets and hooks are made once per module and
+    One process: nothing happens (`overlap` is a no-op). The bucket layout and hooks are made once per module and
     reused; gradients already present when the block starts are kept (and averaged with the rest).
     """
     if world_size() == 1:
