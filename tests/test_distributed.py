@@ -116,6 +116,51 @@ def _mlm_aux(model, rows: slice) -> tuple[float, float]:
     return dist.all_reduce_mean(out.aux).item(), dist.all_reduce_mean(local).item()
 
 
+def _toy(rank: int):
+    """Six small linear layers and a parameter that only rank 0's loss uses, with this rank's input."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).double()
+    model.register_parameter("extra", torch.nn.Parameter(torch.ones(3, dtype=torch.float64)))
+    x = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+    return model, x
+
+
+def _toy_backward(model, x, rank: int, last_backward) -> None:
+    """Two backward passes, as GradCache replays two chunks: gradients are final only after the second."""
+    model(x).pow(2).sum().backward()
+    with last_backward():
+        loss = model(2 * x).pow(2).sum()
+        (loss + model.extra.sum() if rank == 0 else loss).backward()
+
+
+def _overlap(rank: int) -> dict:
+    """Bucketed sync of the toy model, one layer per bucket: what was launched when, and the averaged gradients."""
+    model, x = _toy(rank)
+    layer_mb = 16 * 17 * 8 / 2**20
+    sync = dist.GradientSync(list(model.parameters()), bucket_mb=layer_mb, first_bucket_mb=layer_mb)
+    sync.prepare()
+    launched = []
+    _toy_backward(model, x, rank, lambda: _tracking(sync, launched))
+    sync.finish()
+    return {"launched": launched, "buckets": len(sync.buckets), "extra_bucket": sync.bucket_of[id(model.extra)],
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+class _tracking:
+    """`sync.overlap()` that notes how many buckets were launched before it and by the end of its backward."""
+
+    def __init__(self, sync, launched: list):
+        self.sync, self.launched, self.inner = sync, launched, sync.overlap()
+
+    def __enter__(self):
+        self.launched.append(len(self.sync._work))
+        self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.launched.append(len(self.sync._work))
+        return self.inner.__exit__(*exc)
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -133,6 +178,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                     for first, chunk, z in AUX_RUNS],
             "per_rank": _aux_by_hand(model, rows(AUX_RUNS[0][0])),
             "mlm_aux": _mlm_aux(model, rows(AUX_RUNS[0][0])),
+            "overlap": _overlap(rank),
         }
         assert dist.all_gather_object(rank) == [0, 1]
         torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
@@ -208,6 +254,29 @@ def test_mlm_load_balancing_of_two_ranks_equals_one_process_with_the_whole_batch
     (mlm0, local0), (mlm1, _) = two_ranks[0]["mlm_aux"], two_ranks[1]["mlm_aux"]
     assert mlm0 == mlm1 == pytest.approx(whole, abs=1e-6)
     assert abs(local0 - whole) > 1e-4, (local0, whole)
+
+
+def test_bucketed_sync_overlaps_the_last_backward_and_averages_exactly(two_ranks):
+    from contextlib import nullcontext
+
+    r0, r1 = two_ranks[0]["overlap"], two_ranks[1]["overlap"]
+    n = r0["buckets"]
+    assert n >= 6  # one linear layer per bucket
+    # Nothing goes during the first backward (gradients not final yet); on rank 0 every bucket is launched while
+    # the last backward runs. Rank 1's `extra` gets no gradient, so its bucket — and, in index order, every later
+    # one — waits for finish(): both ranks still issue the same all-reduces in the same order.
+    assert r0["launched"] == [0, n]
+    assert r1["launched"] == [0, r1["extra_bucket"]]
+    reference = {}
+    for rank in (0, 1):  # each rank's own gradients, in one process, then averaged
+        model, x = _toy(rank)
+        _toy_backward(model, x, rank, nullcontext)
+        for name, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            reference[name] = reference.get(name, 0) + g / 2
+    for name, g in reference.items():
+        assert torch.equal(r0["grads"][name], r1["grads"][name]), name
+        assert torch.allclose(r0["grads"][name], g, atol=1e-12, rtol=0), name
 
 
 def test_collectives_are_identity_in_one_process():

@@ -1,39 +1,171 @@
-"""The CPU inference fast path of `Linear` equals `F.linear`, and never runs where gradients are needed."""
+"""`Linear`'s CPU inference paths: packed float32 equals `F.linear` and runs only at inference (never in a training
+pass, GradCache's no-grad pass included); dynamic int8 stays close to float32, quantises each row on its own, and
+covers every linear layer and MoE expert. Each test asserts the path that actually ran (`last_path`)."""
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moembed.model.linear import Linear, fastpath_enabled
+from moembed.model.config import MoEConfig
+from moembed.model.linear import (
+    Linear,
+    bf16_is_fast,
+    fastpath_enabled,
+    int8_available,
+    int8_linear,
+    pack_int8,
+    quantize_int8,
+)
+from moembed.model.moe import MoEBlock
 
-pytestmark = pytest.mark.skipif(not fastpath_enabled(), reason="this torch build has no oneDNN packed linear")
+@pytest.fixture(scope="module")
+def sentences() -> list[str]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from sentences import news_sentences
+
+    return news_sentences(32) + ["", "x"]
 
 
+packed_only = pytest.mark.skipif(not fastpath_enabled(), reason="this torch build has no oneDNN packed linear")
+int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build has no x86 quantised kernels")
+
+
+@packed_only
 @pytest.mark.parametrize("shape", [(7, 32), (3, 5, 32), (1, 32)])
 def test_packed_equals_plain(shape):
     torch.manual_seed(0)
-    lin = Linear(32, 48)
+    lin = Linear(32, 48).eval()
     x = torch.randn(*shape)
     with torch.inference_mode():
         fast = lin(x)
+    assert lin.last_path == "packed"
     torch.testing.assert_close(fast, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
+@packed_only
 def test_repacks_after_weight_update():
-    lin = Linear(8, 8)
+    lin = Linear(8, 8).eval()
     x = torch.randn(4, 8)
     with torch.no_grad():
         lin(x)
         lin.weight.mul_(2.0)  # an optimizer step updates in place: the cache must notice
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    assert lin.last_path == "packed"
 
 
 def test_training_uses_autograd_path(monkeypatch):
     lin = Linear(8, 4)
     x = torch.randn(3, 8, requires_grad=True)
     lin(x).sum().backward()
-    assert lin.weight.grad is not None and x.grad is not None
+    assert lin.last_path == "plain" and lin.weight.grad is not None and x.grad is not None
     monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
     assert not fastpath_enabled()
+    with torch.no_grad():
+        lin.eval()(x)
+    assert lin.last_path == "plain"
+
+
+@packed_only
+def test_no_grad_training_pass_does_not_pack():
+    # GradCache's first pass runs without gradient in training mode, and the optimizer changes the weights every
+    # step: packing there would repack every weight every step for a single use.
+    lin = Linear(16, 16).train()
+    with torch.no_grad():
+        lin(torch.randn(5, 16))
+    assert lin.last_path == "plain"
+    assert "packed" not in lin.__dict__.get("_weight_cache", {})
+
+
+@packed_only
+def test_a_used_model_deep_copies_without_its_packed_weights():
+    lin = Linear(8, 8).eval()
+    with torch.no_grad():
+        lin(torch.randn(2, 8))
+    assert "packed" in lin.__dict__["_weight_cache"]
+    twin = copy.deepcopy(lin)  # oneDNN's packed tensors cannot be copied: the cache is rebuilt instead
+    assert not twin.__dict__["_weight_cache"] and torch.equal(twin.weight, lin.weight)
+
+
+# ---- int8 ------------------------------------------------------------------------------------------------------
+
+
+def _with_outliers(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g)
+    x[:, [3, 17]] *= 40.0  # two channels far larger than the rest on every row, as in trained transformers
+    return x
+
+
+@int8_only
+def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact():
+    torch.manual_seed(0)
+    x, w, b = _with_outliers(64, 96), torch.randn(80, 96) * 0.05, torch.randn(80)
+    ref = F.linear(x, w, b)
+    amax = x.abs().amax(0)
+    with_outliers = int8_linear(x, pack_int8(w, b, amax))
+    without = int8_linear(x, pack_int8(w, b, None))
+    cos = lambda y: F.cosine_similarity(y, ref).min().item()  # noqa: E731
+    assert cos(with_outliers) > 0.999
+    assert cos(with_outliers) > cos(without)  # the outlier channels are what int8 alone gets wrong
+    # Only the outlier channels, in float32: exact up to float32 rounding.
+    only = torch.zeros_like(x)
+    only[:, [3, 17]] = x[:, [3, 17]]
+    torch.testing.assert_close(int8_linear(only, pack_int8(w, b, amax)), F.linear(only, w, b), atol=1e-4, rtol=1e-4)
+
+
+@int8_only
+def test_int8_rows_are_quantised_each_on_its_own():
+    # A row's result must not depend on the other rows of the call (embeddings never depend on the batch):
+    # a dynamic range over the whole input would make a small row's grid coarser next to a large one.
+    x = _with_outliers(10, 64)
+    x[5:] *= 100.0
+    w = pack_int8(torch.randn(32, 64) * 0.1, torch.randn(32), x.abs().amax(0))
+    batched = int8_linear(x, w)
+    for i in range(10):
+        torch.testing.assert_close(int8_linear(x[i : i + 1], w), batched[i : i + 1], atol=1e-5, rtol=1e-6)
+
+
+@int8_only
+def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences):
+    emb = make_tiny("bert", moe=MoEConfig(num_experts=4, top_k=2, every=1, offset=0))
+    ref = emb.encode(sentences[:16])
+    q = quantize_int8(copy.deepcopy(emb))
+    got = q.encode(sentences[:16])
+    assert (ref * got).sum(1).min() > 0.99
+    linears = [m for m in q.modules() if isinstance(m, Linear)]
+    blocks = [m for m in q.modules() if isinstance(m, MoEBlock)]
+    assert linears and blocks
+    assert all(m.last_path == "int8" for m in linears)
+    assert all(b.last_dispatch == "int8-loop" for b in blocks)
+    assert all(m.__dict__.get("int8_amax") is not None for m in linears)  # outlier channels were measured
+    # Alone or batched, the same text gets (up to rounding) the same embedding.
+    alone = np.stack([q.encode([t])[0] for t in sentences[:6]])
+    assert (alone * got[:6]).sum(1).min() > 0.9999
+    # Training passes never see int8, and switching back restores float32 inference.
+    q.train()
+    batch = q.tokenizer(sentences[:2])
+    q(batch.input_ids, batch.attention_mask)
+    assert all(m.last_path == "plain" for m in linears)
+    quantize_int8(q, enabled=False)
+    np.testing.assert_allclose(q.encode(sentences[:16]), ref, atol=1e-5)
+
+
+@int8_only
+@pytest.mark.real
+def test_int8_minilm_is_close_to_float32(minilm, sentences):
+    q = quantize_int8(copy.deepcopy(minilm))
+    assert (minilm.encode(sentences) * q.encode(sentences)).sum(1).min() >= 0.99
+
+
+def test_bf16_is_fast_follows_the_cpu_flags():
+    flags = torch._C._cpu._get_cpu_capability()
+    assert bf16_is_fast("cpu") == bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+    assert bf16_is_fast("cuda") == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())

@@ -15,6 +15,7 @@ from moembed.errors import MoembedError
 from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_fractions
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
+from moembed.model.linear import fastpath_enabled
 from moembed.model.moe import MoEBlock, set_dispatch
 from moembed.model.convert.upcycle import upcycle
 from moembed.model.presets import nomic_v2_moe_base, tiny_config
@@ -37,6 +38,11 @@ def real_texts(n: int = 24) -> list[str]:
 def block_config(mlp: str = "gelu", bias: bool = True, **moe) -> EncoderConfig:
     moe = {"num_experts": 4, "top_k": 2, "every": 1, "offset": 0, **moe}
     return tiny_config("bert" if mlp == "gelu" else "nomic", bias=bias, moe=MoEConfig(**moe))
+
+
+def dispatches(module: torch.nn.Module) -> set[str]:
+    """The dispatch each MoE block of `module` took in its latest forward pass."""
+    return {m.last_dispatch for m in module.modules() if isinstance(m, MoEBlock)}
 
 
 def grads(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -70,6 +76,7 @@ def test_one_expert_with_copied_weights_equals_dense(mlp, bias):
     for mode in ("grouped", "loop", "naive"):
         moe.dispatch_mode = mode
         y_moe, logits, counts = moe(x)
+        assert moe.last_dispatch == mode  # the path asked for is the one that ran
         torch.testing.assert_close(y_moe, dense(x), rtol=1e-5, atol=1e-6)
         assert logits.shape == (37, 1) and counts.tolist() == [37]
         gm, gd = grads(moe, x, y_moe, g), grads(dense, x, dense(x), g)
@@ -101,6 +108,7 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
         enc.zero_grad()
         out = enc(ids, mask)
         (out.last_hidden_state * g).sum().backward()
+        assert dispatches(enc) == {mode}
         results[mode] = (out, {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None})
     ref_out, ref_grads = results["naive"]
     assert sum(int(c.sum()) for c in ref_out.expert_counts) == 2 * int(mask.sum()) * top_k  # 2 MoE layers
@@ -112,10 +120,12 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
         assert gr.keys() == ref_grads.keys() and any("router" in k for k in gr)
         for k in gr:
             torch.testing.assert_close(gr[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=f"{mode}: grad of {k}")
+    enc.eval()
     with torch.no_grad():  # inference takes other paths (oneDNN-packed expert weights on CPU)
-        for mode in ("auto", "loop", "grouped"):
+        for mode, path in (("auto", "packed-loop"), ("loop", "packed-loop"), ("grouped", "grouped")):
             set_dispatch(enc, mode)
             torch.testing.assert_close(enc(ids, mask).last_hidden_state, ref_out.last_hidden_state, rtol=1e-5, atol=1e-5)
+            assert dispatches(enc) == {path if fastpath_enabled() else path.removeprefix("packed-")}
 
 
 def test_bf16_autocast_grouped_matches_loop():
@@ -127,6 +137,7 @@ def test_bf16_autocast_grouped_matches_loop():
         blk.dispatch_mode = mode
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs[mode] = blk(x)[0].float()
+        assert blk.last_dispatch == mode
     torch.testing.assert_close(outs["grouped"], outs["loop"], rtol=2e-2, atol=2e-2)
     assert outs["grouped"].abs().max() > 0
 
@@ -140,6 +151,7 @@ def test_grouped_dispatch_falls_back_on_unaligned_shapes():
     ref = blk(x)[0]
     blk.dispatch_mode = "grouped"
     torch.testing.assert_close(blk(x)[0], ref, rtol=1e-5, atol=1e-6)
+    assert blk.last_dispatch == "loop"
 
 
 def test_routing_of_a_sequence_does_not_depend_on_padding(make_tiny):

@@ -21,6 +21,7 @@ def encode(
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     plain: bool = typer.Option(False, help="read plain text lines instead of JSON strings"),
     bf16: bool = typer.Option(False, help="bfloat16 autocast (faster on CPUs with AVX-512 BF16)"),
+    dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
     calibration: Path = typer.Option(None, help="texts (same format as --input) whose embeddings set int8 ranges"),
 ) -> None:
     """Embed texts: one row per input line, float32 unless another precision is asked."""
@@ -33,10 +34,20 @@ def encode(
 
     if precision not in PRECISIONS:
         raise MoembedError(f"--precision: unknown {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if dtype not in ("float32", "bf16", "int8"):
+        raise MoembedError(f"--dtype: unknown {dtype!r}; choose one of float32, bf16, int8")
+    bf16 = bf16 or dtype == "bf16"
     if output.suffix != ".npy":
         raise MoembedError(f"--output: {output} must end in .npy")
     texts = read_texts(input, plain=plain)
     emb = Embedder.load(model)
+    if dtype == "int8":
+        from moembed.model.linear import quantize_int8
+
+        try:
+            quantize_int8(emb)
+        except RuntimeError as e:
+            raise MoembedError(f"--dtype int8: {e}") from None
     if dim is not None and not 1 <= dim <= emb.dim:
         raise MoembedError(f"--dim: {dim} is out of range 1..{emb.dim}")
     emb.prefix(prompt)  # unknown prompt names fail before any work

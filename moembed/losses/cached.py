@@ -24,7 +24,7 @@ factor, which tokens are dropped depends on the chunk and parity is lost).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,11 +70,14 @@ def _merge(outputs: list[tuple[torch.Tensor, tuple, tuple]], groups: list[int]) 
     return Encoded(embeddings, logits, counts)
 
 
-def plain_backward(forward: Forward, batches: list[Batch], objective: Objective) -> Any:
-    """The reference path: encode every batch under grad, compute the objective, backpropagate."""
+def plain_backward(forward: Forward, batches: list[Batch], objective: Objective, last_backward=nullcontext) -> Any:
+    """The reference path: encode every batch under grad, compute the objective, backpropagate.
+
+    `last_backward()` is entered around the backward pass (e.g. `distributed.synchronised_gradients`' overlap)."""
     outputs = [forward(b) for b in batches]
     loss, extra = objective(_merge(outputs, [1] * len(batches)))
-    loss.backward()
+    with last_backward():
+        loss.backward()
     return extra
 
 
@@ -102,7 +105,8 @@ class _RngState:
 
 
 def cached_backward(
-    forward: Forward, batches: list[Batch], objective: Objective, chunk_size: int, device: torch.device
+    forward: Forward, batches: list[Batch], objective: Objective, chunk_size: int, device: torch.device,
+    last_backward=nullcontext,
 ) -> Any:
     """GradCache: same loss and parameter gradients as `plain_backward`, with activations of one chunk at a time.
 
@@ -111,6 +115,8 @@ def cached_backward(
         batches: e.g. [queries, documents, negatives]; each is split into chunks of `chunk_size` rows.
         objective: the loss on the full encoded batches (gathers across ranks, Matryoshka, auxiliary losses...).
         device: where the model runs (its RNG state is saved per chunk).
+        last_backward: entered around the backward pass of the last replayed chunk, after which every parameter
+            gradient is final (e.g. `distributed.synchronised_gradients`' overlap).
     Returns the objective's extra output.
     """
     chunks = [split_batch(b, chunk_size) for b in batches]
@@ -131,7 +137,7 @@ def cached_backward(
     router_grads = [_grad(z) for z in router]
     batch_of = [k for k, group in enumerate(chunks) for _ in group]
     row, token = [0] * len(batches), 0
-    for chunk, state, k, cached in zip(flat, states, batch_of, outputs):
+    for i, (chunk, state, k, cached) in enumerate(zip(flat, states, batch_of, outputs)):
         n = chunk.input_ids.shape[0]  # rows of this chunk
         t = cached[1][0].shape[0] if cached[1] else 0  # tokens routed in this chunk
         with state.replay():
@@ -139,8 +145,9 @@ def cached_backward(
         tensors = [emb] + list(logits)
         grads = [emb_grads[k][row[k] : row[k] + n]] + [g[token : token + t] for g in router_grads]
         pairs = [(x, g) for x, g in zip(tensors, grads) if x.requires_grad]
-        if pairs:
-            torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+        with last_backward() if i == len(flat) - 1 else nullcontext():
+            if pairs:
+                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
         row[k] += n
         token += t
     return extra

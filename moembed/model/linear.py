@@ -1,15 +1,26 @@
-"""`Linear`: nn.Linear with a CPU inference fast path.
+"""`Linear`: nn.Linear with two CPU inference paths, and the int8 kernels the MoE experts share.
 
-At inference on CPU in float32, `F.linear` hands the weight to the BLAS in its stored layout on every call.
-oneDNN can instead take a weight re-laid out once for its kernels ("packed"); on AVX-512 machines that is about
-twice as fast for the matrix shapes of small encoders, and linear layers are ~75% of encoding time. The packed
-copy is made lazily, cached per weight version, and used only when no gradient is needed, so training and
-autograd always see the plain `F.linear`. Set MOEMBED_NO_FASTPATH=1 to disable it.
+**Packed float32.** At inference on CPU in float32, `F.linear` hands the weight to the BLAS in its stored layout on
+every call. oneDNN can instead take a weight re-laid out once for its kernels ("packed"), which is faster for the
+matrix shapes of small encoders (linear layers are ~75% of encoding time). The packed copy is made lazily, cached
+per weight version, and used only at inference (no gradient, module in eval mode), so training passes — the
+no-grad pass of GradCache included, where the optimizer changes the weights every step — never pay for packing.
+Set MOEMBED_NO_FASTPATH=1 to disable it.
+
+**Dynamic int8** (`quantize_int8(model)`): weights are quantised once per output channel to int8 (symmetric), and
+each call quantises its input rows to 8 bits with a range taken from that input alone ("dynamic" quantisation, so no
+calibration data is needed), multiplies in integers and rescales to float32. It uses torch's x86 quantised kernels
+(fbgemm: VNNI where the CPU has it, AVX2 otherwise) and runs at inference only; training and autograd always see the
+float32 weights, which are kept. Every linear layer and every expert of an MoE block take part.
+
+`last_path` on each layer records which of "plain", "packed" or "int8" its latest call took (tests assert it).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -22,24 +33,203 @@ def fastpath_enabled() -> bool:
     return _HAS_PACKED and os.environ.get("MOEMBED_NO_FASTPATH", "") in ("", "0")
 
 
+def inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
+    """A CPU float32 inference call: no gradient, no autocast, module in eval mode."""
+    return (
+        x.device.type == "cpu" and x.dtype == torch.float32 and not module.training
+        and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    )
+
+
+class WeightCache(dict):
+    """Weights derived from a module's parameters (packed, cast, quantised), by name: {name: (key, value)}.
+
+    Rebuilt from the parameters on demand, so it is neither deep-copied nor pickled (oneDNN's packed tensors cannot
+    be): a copied or unpickled module starts with an empty cache.
+    """
+
+    def __deepcopy__(self, memo) -> "WeightCache":
+        return WeightCache()
+
+    def __reduce__(self):
+        return (WeightCache, ())
+
+
+def cached(module: nn.Module, name: str, key: tuple, make):
+    """`make()`, cached on `module` under `name` until `key` changes. Keys hold (data_ptr, _version) of the weights
+    used, so an optimizer step, `load_state_dict` or any in-place update rebuilds the entry."""
+    store = module.__dict__.get("_weight_cache")
+    if store is None:
+        store = module.__dict__["_weight_cache"] = WeightCache()
+    hit = store.get(name)
+    if hit is None or hit[0] != key:
+        hit = store[name] = (key, make())
+    return hit[1]
+
+
+def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
+    """Whether bfloat16 matmuls run natively on `device`: a CUDA GPU with bf16 support, or a CPU with AVX-512 BF16 or
+    AMX (x86), or oneDNN's bf16 support elsewhere. Other x86 CPUs (AVX2 only) emulate them, several times slower
+    than float32, so bf16 autocast there costs time instead of saving it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True  # mps and others: bf16 is native where torch offers it
+    flags = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+    if flags.get("architecture", "x86_64") in ("x86_64", "x86"):
+        return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# ---- int8 kernels --------------------------------------------------------------------------------------------
+
+
+def int8_available() -> bool:
+    """Whether this torch build has the x86 dynamic-quantisation kernels `quantize_int8` uses."""
+    engines = torch.backends.quantized.supported_engines
+    return hasattr(torch.ops.quantized, "linear_dynamic") and ("x86" in engines or "fbgemm" in engines)
+
+
+OUTLIERS = 8  # input channels per layer kept in float32 (the largest activations; see `pack_int8`)
+
+
+@dataclass
+class Int8Weight:
+    """A linear layer's weight for `int8_linear`: int8 apart from a few outlier input channels."""
+
+    packed: object  # fbgemm-packed int8 weight (n, k), one scale per output row, outlier columns zeroed, no bias
+    outliers: torch.Tensor  # (o,) long, input channels computed in float32
+    w_outliers: torch.Tensor  # (o, n) float32, W[:, outliers]ᵀ
+    bias: torch.Tensor | None  # (n,)
+
+
+def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor | None) -> Int8Weight:
+    """weight (n, k) → `Int8Weight`. `amax` (k,): the largest |input| seen per input channel (see `quantize_int8`).
+
+    Transformer activations carry a few outlier channels, far larger than the rest on every token; an 8-bit grid
+    sized for them leaves the others a handful of levels. The `OUTLIERS` channels with the largest `amax` are
+    therefore multiplied in float32 (as LLM.int8()'s mixed-precision decomposition does) and the rest in int8.
+    """
+    w = weight.detach().float().contiguous()
+    out = torch.zeros(0, dtype=torch.long) if amax is None else amax.topk(min(OUTLIERS, w.shape[1])).indices.sort().values
+    w_outliers = w[:, out].t().contiguous()  # (o, n)
+    w = w.index_fill(1, out, 0.0)
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()  # (n,) symmetric: max |w| of a row ↦ 127
+    with warnings.catch_warnings():  # the eager quantised-tensor API is deprecated; its kernels are not replaced yet
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(qw, None)
+    return Int8Weight(packed, out, w_outliers, None if bias is None else bias.detach().float())
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """F.linear with int8 weights: x (N, k) float32 → (N, n) float32.
+
+    Each row is quantised with its own range (its largest |value| outside the outlier channels), so a text's
+    embedding never depends on the other texts of its batch: the rows are divided by that maximum, and one fixed
+    row (1, -1, 0, ...) appended, so the kernel's per-call range is always [-1, 1] and its 8-bit grid the same for
+    every call. reduce_range (7-bit activations) keeps AVX2's 16-bit pair sums (vpmaddubsw) from saturating.
+    """
+    n, k = x.shape
+    xs = x.new_empty(n + 1, k)  # (N + 1, k) the rows, scaled, then the fixed row
+    xs[:n] = x
+    xs[:n].index_fill_(1, w.outliers, 0.0)
+    m = xs[:n].abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1) (faster than an inf-norm here)
+    xs[:n] /= m
+    xs[n] = 0.0
+    xs[n, :2] = torch.tensor([1.0, -1.0])
+    y = torch.ops.quantized.linear_dynamic(xs, w.packed, True)[:n]  # (N, n)
+    y = torch.addcmul(w.bias, y, m) if w.bias is not None else y.mul_(m)
+    if w.outliers.numel():
+        y.addmm_(x.index_select(1, w.outliers), w.w_outliers)  # (N, o) @ (o, n)
+    return y
+
+
+def int8_weights(module: nn.Module, pairs, amax) -> list[Int8Weight]:
+    """`pack_int8` of `pairs` [(weight (n, k), bias (n,) | None), ...] with `amax` [(k,) | None, ...], cached on
+    `module` until a weight changes."""
+    key = tuple((w.data_ptr(), w._version) for w, _ in pairs)
+    return cached(module, "int8", key, lambda: [pack_int8(w, b, a) for (w, b), a in zip(pairs, amax)])
+
+
+@torch.no_grad()
+def activation_ranges(model: nn.Module, sequences: int = 32, length: int = 64, seed: int = 0) -> None:
+    """Record on every int8-capable layer the largest |input| per channel (`int8_amax`) over a float32 pass of
+    seeded random token sequences. Outlier channels are a property of the trained weights (they show on any
+    input), so no text is needed, and the result depends on the model alone."""
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    ids = torch.randint(1, config.vocab_size, (sequences, length), generator=g).to(device)  # (S, T)
+    ids[ids == config.pad_token_id] = 1
+    layers = [m for m in model.modules() if hasattr(type(m), "int8")]
+    hooks = [m.register_forward_pre_hook(_record_amax) for m in layers if isinstance(m, Linear)]
+    hooks += [m.register_forward_pre_hook(_record_expert_amax) for m in model.modules() if hasattr(m, "experts")
+              and hasattr(type(m.experts), "int8")]
+    was_training = model.training
+    model.eval()
+    for m in layers:
+        m.__dict__["int8"] = False
+        m.__dict__["int8_amax"] = None
+    try:
+        model(ids, torch.ones_like(ids))
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+
+
+def _max_abs(x: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+    a = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()  # (k,)
+    return a if old is None else torch.maximum(a, old)
+
+
+def _record_amax(module: nn.Module, args) -> None:
+    module.__dict__["int8_amax"] = _max_abs(args[0], module.__dict__.get("int8_amax"))
+
+
+def _record_expert_amax(block: nn.Module, args) -> None:
+    block.experts.record_amax(args[0])
+
+
+def quantize_int8(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Switch every linear layer and MoE expert of an encoder (or Embedder) to int8 at inference (or back,
+    `enabled=False`). Returns `model`.
+
+    Weights: int8 with one scale per output row, made on first use and remade after any weight update; the
+    float32 weights stay, and training and gradient passes use them. Activations: quantised per row at each call
+    (`int8_linear`), apart from the few outlier channels `activation_ranges` finds. Raises RuntimeError when this
+    torch has no x86 quantised kernels.
+    """
+    if enabled:
+        if not int8_available():
+            raise RuntimeError("int8: this torch build has no x86 quantised linear kernels (fbgemm)")
+        activation_ranges(model)
+    for m in model.modules():
+        if hasattr(type(m), "int8"):  # Linear and the MoE blocks' Experts
+            m.__dict__["int8"] = enabled
+    return model
+
+
+# ---- the layer -----------------------------------------------------------------------------------------------
+
+
 class Linear(nn.Linear):
+    int8 = False  # set per layer by `quantize_int8`
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and self.weight.dtype == torch.float32
-            and not torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu")
-            and fastpath_enabled()
-        ):
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+        if inference_pass(self, x) and self.weight.dtype == torch.float32:
+            if self.int8:
+                self.__dict__["last_path"] = "int8"
+                w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
+                return int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+            if fastpath_enabled():
+                self.__dict__["last_path"] = "packed"
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+        self.__dict__["last_path"] = "plain"
         return F.linear(x, self.weight, self.bias)
 
     def _packed_weight(self) -> torch.Tensor:
-        # Keyed by storage and version counter: any in-place update (optimizer step, load_state_dict) repacks.
         key = (self.weight.data_ptr(), self.weight._version)
-        cache = self.__dict__.get("_packed")
-        if cache is None or cache[0] != key:
-            cache = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
-            self.__dict__["_packed"] = cache
-        return cache[1]
+        return cached(self, "packed", key, lambda: torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))

@@ -19,6 +19,8 @@ Assignments compete in token order (earlier tokens first).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -28,26 +30,112 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moembed.model.config import EncoderConfig
-from moembed.model.linear import fastpath_enabled
+from moembed.model.linear import cached, fastpath_enabled, inference_pass, int8_linear, int8_weights
 
 Dispatch = Literal["auto", "grouped", "loop", "naive"]
 DISPATCH_MODES = ("auto", "grouped", "loop", "naive")
 
+log = logging.getLogger("moembed")
 
-def grouped_mm_available(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` (a private API) can multiply a (M, K) by b (E, K, n) here.
 
-    It needs matching float dtypes and strides that are multiples of 16 bytes (except unit strides).
-    """
-    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
-        return False
-    if a.dtype not in (torch.float32, torch.bfloat16, torch.float16) or a.device.type not in ("cpu", "cuda"):
-        return False
-    for t in (a, b):
+def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` accepts these operands' layout: strides that are multiples of 16 bytes (except
+    unit strides) and 16-byte-aligned storage."""
+    for t in tensors:
         size = t.element_size()
         if t.data_ptr() % 16 or any(s != 1 and (s * size) % 16 for s in t.stride()):
             return False
     return True
+
+
+@dataclass(frozen=True)
+class GroupedSupport:
+    """What `torch._grouped_mm` (a private API) offers for one device and dtype, checked once per process."""
+
+    usable: bool  # it runs, forward and backward
+    preferred: bool  # and `auto` should pick it over the expert loop
+    detail: str  # what was found, for the log
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_support(device_type: str, index: int | None, dtype: torch.dtype) -> GroupedSupport:
+    where = f"{device_type} {str(dtype).removeprefix('torch.')}, torch {torch.__version__}"
+    if not hasattr(torch, "_grouped_mm"):
+        return GroupedSupport(False, False, f"this torch has no torch._grouped_mm ({where})")
+    if device_type not in ("cpu", "cuda") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return GroupedSupport(False, False, f"torch._grouped_mm has no kernel for {where}")
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    try:  # a tiny forward and backward: older releases raise on some devices and dtypes
+        with torch.autocast(device_type, enabled=False), torch.enable_grad():
+            a = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
+            b = torch.randn(2, 16, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+            y = torch._grouped_mm(a, b, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
+            torch.autograd.grad((y * torch.randn_like(y)).sum(), (a, b))
+    except Exception as e:  # noqa: BLE001 - any failure means "use the loop", never an error for the user
+        return GroupedSupport(False, False, f"torch._grouped_mm failed on {where}: {str(e).splitlines()[0]}")
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        fast = cuda_grouped_kernel((major, minor), dtype)
+        return GroupedSupport(True, fast, f"{where}, sm_{major}{minor}" + ("" if fast else ": no grouped kernel"))
+    return GroupedSupport(True, True, where)
+
+
+def cuda_grouped_kernel(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether torch runs `_grouped_mm` as one grouped kernel on a GPU of this compute capability: CUTLASS, for
+    bfloat16 on sm_90 and sm_100 only (torch's GroupedBlas). Elsewhere it loops over the groups itself after a
+    device-to-host copy of the offsets — no better than the expert loop, which `auto` then takes."""
+    return dtype == torch.bfloat16 and capability[0] in (9, 10)
+
+
+def grouped_support(device: torch.device, dtype: torch.dtype) -> GroupedSupport:
+    """`torch._grouped_mm`'s support for a device and dtype; probed on first use, then cached."""
+    return _grouped_support(device.type, device.index, dtype)
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def _announce(message: str) -> None:
+    """Log which dispatch runs, once per distinct message and process (logger "moembed")."""
+    if message not in _ANNOUNCED:
+        _ANNOUNCED.add(message)
+        log.info("MoE dispatch: %s", message)
+
+
+class _CastOnce(torch.autograd.Function):
+    """Identity onto a cast made earlier: forward returns `cast[0]` (= w.to(dtype)), backward the gradient cast back
+    to w's dtype, as the backward of `w.to(dtype)`. Lets a cached cast enter the graph of each pass."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, cast: tuple[torch.Tensor]) -> torch.Tensor:
+        ctx.dtype = w.dtype
+        return cast[0].detach()  # a new tensor object on the cached storage: the graph never touches the cache
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+class _SegmentBias(torch.autograd.Function):
+    """In place, h[rows of expert e] += bias[e] for consecutive slices of `sizes` rows: h (M, n), bias (E, n).
+
+    Adds each expert's bias to its own slice instead of materialising an (M, n) tensor of repeated bias rows (and
+    the new (M, n) sum) as `h + bias.repeat_interleave(counts)` would; the bias gradient is the per-slice row sum."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, bias: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        ctx.sizes = sizes
+        for part, b in zip(torch.split(h, sizes), bias):
+            if part.shape[0]:
+                part.add_(b)
+        ctx.mark_dirty(h)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = torch.split(grad, ctx.sizes)
+        bias_grad = torch.stack([p.sum(0, dtype=torch.float32) for p in parts])  # (E, n), summed in float32
+        return grad, bias_grad.to(grad.dtype), None
 
 
 class Experts(nn.Module):
@@ -57,6 +145,8 @@ class Experts(nn.Module):
     optional biases fc1_bias (E, r), fc2_bias (E, d). Each slice [e] has the layout of the dense MLP's
     `fc1.weight` / `fc2.weight`, so upcycling is a broadcast copy.
     """
+
+    int8 = False  # set by `moembed.model.linear.quantize_int8`
 
     def __init__(self, num_experts: int, d: int, i: int, kind: str, bias: bool):
         super().__init__()
@@ -84,52 +174,100 @@ class Experts(nn.Module):
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, d) sorted by expert with counts (E,) → (M, d): a loop over experts on contiguous slices."""
         parts = torch.split(x, counts.tolist())
-        run = self._packed_expert if self._can_pack(x) else self.expert
-        return torch.cat([run(e, p) for e, p in enumerate(parts) if p.shape[0]] or [x[:0]])
+        return torch.cat([self.expert(e, p) for e, p in enumerate(parts) if p.shape[0]] or [x[:0]])
 
     # CPU float32 inference: oneDNN-packed expert weights, as `moembed.model.linear.Linear` does for dense layers.
 
-    def _can_pack(self, x: torch.Tensor) -> bool:
-        return (
-            x.device.type == "cpu" and x.dtype == torch.float32 and self.fc1_weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and fastpath_enabled()
-        )
+    def can_pack(self, x: torch.Tensor) -> bool:
+        """Whether `packed_loop` applies: float32 on CPU, no gradient, no autocast, not a training pass."""
+        return inference_pass(self, x) and self.fc1_weight.dtype == torch.float32 and fastpath_enabled()
+
+    def can_int8(self, x: torch.Tensor) -> bool:
+        """Whether `int8_loop` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU
+        float32 inference pass."""
+        return self.int8 and inference_pass(self, x) and self.fc1_weight.dtype == torch.float32
 
     def _packed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # Keyed by storage and version counters: an optimizer step or load_state_dict repacks.
         key = tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
-        cache = self.__dict__.get("_packed_cache")
-        if cache is None or cache[0] != key:
-            pack = torch.ops.mkldnn._reorder_linear_weight
-            packed = [(pack(self.fc1_weight[e].detach()), pack(self.fc2_weight[e].detach())) for e in range(self.num_experts)]
-            cache = (key, packed)
-            self.__dict__["_packed_cache"] = cache
-        return cache[1]
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        return cached(self, "packed", key, lambda: [
+            (pack(self.fc1_weight[e].detach()), pack(self.fc2_weight[e].detach())) for e in range(self.num_experts)
+        ])
 
-    def _packed_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        w1, w2 = self._packed()[e]
-        b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
-        b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
-        lin = torch.ops.mkldnn._linear_pointwise
-        return lin(self.act(lin(x, w1, b1, "none", [], "")).contiguous(), w2, b2, "none", [], "")
+    def packed_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`loop` on oneDNN-packed weights (see `can_pack`)."""
+        lin, packed = torch.ops.mkldnn._linear_pointwise, self._packed()
+        out = []
+        for e, p in enumerate(torch.split(x, counts.tolist())):
+            if p.shape[0]:
+                w1, w2 = packed[e]
+                b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+                b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
+                out.append(lin(self.act(lin(p, w1, b1, "none", [], "")).contiguous(), w2, b2, "none", [], ""))
+        return torch.cat(out or [x[:0]])
 
-    def grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Same as `loop` with two grouped matmuls (torch._grouped_mm); falls back to `loop` where unusable."""
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not on autocast's lists: cast by hand
-            dtype = torch.get_autocast_dtype(x.device.type)
-        w1 = self.fc1_weight.to(dtype).transpose(1, 2)  # (E, d, r)
-        w2 = self.fc2_weight.to(dtype).transpose(1, 2)  # (E, i, d)
+    def int8_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`loop` on int8 weights with per-row quantised activations (`moembed.model.linear.int8_linear`)."""
+        b1 = self.fc1_bias if self.fc1_bias is not None else [None] * self.num_experts
+        b2 = self.fc2_bias if self.fc2_bias is not None else [None] * self.num_experts
+        pairs, amax = [], []
+        stats = self.__dict__.get("int8_amax") or (None, [None] * self.num_experts)
+        for e in range(self.num_experts):  # [fc1 of expert 0, fc2 of expert 0, fc1 of expert 1, ...]
+            pairs += [(self.fc1_weight[e], b1[e]), (self.fc2_weight[e], b2[e])]
+            amax += [stats[0], stats[1][e]]
+        w = int8_weights(self, pairs, amax)
+        out = [int8_linear(self.act(int8_linear(p, w[2 * e])), w[2 * e + 1])
+               for e, p in enumerate(torch.split(x, counts.tolist())) if p.shape[0]]
+        return torch.cat(out or [x[:0]])
+
+    @torch.no_grad()
+    def record_amax(self, x: torch.Tensor) -> None:
+        """Largest |input| per channel of every expert's two matmuls, over all tokens x (N, d) of a calibration
+        pass (each expert sees every token, so that each gets ranges): `int8_amax` = (fc1's (d,), [fc2's (i,)])."""
+        old = self.__dict__.get("int8_amax") or (None, [None] * self.num_experts)
+        fc1 = x.abs().amax(0).float() if old[0] is None else torch.maximum(x.abs().amax(0).float(), old[0])
+        fc2 = []
+        for e in range(self.num_experts):
+            b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+            a = self.act(F.linear(x, self.fc1_weight[e], b1)).abs().amax(0).float()
+            fc2.append(a if old[1][e] is None else torch.maximum(a, old[1][e]))
+        self.__dict__["int8_amax"] = (fc1, fc2)
+
+    # Grouped matmuls.
+
+    def _weights_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(fc1_weight, fc2_weight, fc1_bias, fc2_bias) in `dtype`, cast once per weight version.
+
+        Under autocast torch casts an nn.Linear weight once per autocast region and reuses it; `_grouped_mm` is not
+        on autocast's lists, so the experts cast by hand, and keep the cast until an optimizer step (or any in-place
+        update) bumps the weight's version. With gradient the cached copy enters the graph through `_CastOnce`,
+        whose backward is the cast's (the gradient back in the weight's dtype).
+        """
+        params = [self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias]
+        if dtype == self.fc1_weight.dtype:
+            return tuple(params)
+        key = (dtype,) + tuple((w.data_ptr(), w._version) for w in params if w is not None)
+        casts = cached(self, "cast", key, lambda: [None if w is None else w.detach().to(dtype) for w in params])
+        if not torch.is_grad_enabled():
+            return tuple(casts)
+        return tuple(None if w is None else _CastOnce.apply(w, (c,)) for w, c in zip(params, casts))
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Same as `loop` with two grouped matmuls (torch._grouped_mm) in `dtype`; None when the operands' layout
+        does not suit the kernel (strides must be multiples of 16 bytes), so that the caller takes the loop."""
+        w1, w2, b1, b2 = self._weights_as(dtype)
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)  # (E, d, r), (E, i, d)
         xc = x.to(dtype)
-        if not (grouped_mm_available(xc, w1) and grouped_mm_available(w2, w2)):  # w2's strides cover act(h)'s
-            return self.loop(x, counts)
+        if not grouped_mm_aligned(xc, w1, w2):  # w2's strides cover act(h)'s
+            return None
         offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's slice
+        sizes = counts.tolist()
         h = torch._grouped_mm(xc, w1, offs=offs)  # (M, r)
-        if self.fc1_bias is not None:
-            h = h + self.fc1_bias.to(dtype).repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        if b1 is not None:
+            h = _SegmentBias.apply(h, b1, sizes)
         y = torch._grouped_mm(self.act(h).contiguous(), w2, offs=offs)  # (M, d)
-        if self.fc2_bias is not None:
-            y = y + self.fc2_bias.to(dtype).repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        if b2 is not None:
+            y = _SegmentBias.apply(y, b2, sizes)
         return y
 
     def padded(self, buf: torch.Tensor) -> torch.Tensor:
@@ -198,10 +336,30 @@ class MoEBlock(nn.Module):
         return Dispatched(x.index_select(0, source // self.top_k), source, counts)
 
     def compute(self, d: Dispatched) -> torch.Tensor:
-        """Each expert on its contiguous slice: (M, d) → (M, d)."""
-        if self.dispatch_mode == "grouped" or (self.dispatch_mode == "auto" and not self.experts._can_pack(d.tokens)):
-            return self.experts.grouped(d.tokens, d.counts)
-        return self.experts.loop(d.tokens, d.counts)
+        """Each expert on its contiguous slice: (M, d) → (M, d). Records the path taken in `last_dispatch`."""
+        x, mode = d.tokens, self.dispatch_mode
+        if mode != "naive" and self.experts.can_int8(x):
+            return self._ran("int8-loop", "expert loop on int8 weights (cpu inference)", self.experts.int8_loop(x, d.counts))
+        if mode in ("auto", "loop") and self.experts.can_pack(x):
+            return self._ran("packed-loop", "expert loop on oneDNN-packed weights (cpu float32 inference)",
+                             self.experts.packed_loop(x, d.counts))
+        if mode == "loop":
+            return self._ran("loop", "expert loop (asked for)", self.experts.loop(x, d.counts))
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        support = grouped_support(x.device, dtype)
+        if support.usable and (mode == "grouped" or support.preferred):
+            y = self.experts.grouped(x, d.counts, dtype)
+            if y is not None:
+                return self._ran("grouped", f"grouped matmuls, torch._grouped_mm ({support.detail})", y)
+            why = "operand strides are not multiples of 16 bytes (hidden or intermediate size)"
+        else:
+            why = support.detail
+        return self._ran("loop", f"expert loop instead of grouped matmuls: {why}", self.experts.loop(x, d.counts))
+
+    def _ran(self, path: str, message: str, y: torch.Tensor) -> torch.Tensor:
+        self.__dict__["last_dispatch"] = path  # plain attribute (not through nn.Module.__setattr__): per forward
+        _announce(message)
+        return y
 
     def combine(self, y: torch.Tensor, d: Dispatched, gates: torch.Tensor, n: int) -> torch.Tensor:
         """Gate-weighted sum of each token's expert outputs: y (M, d) → (n, d)."""
@@ -237,7 +395,7 @@ class MoEBlock(nn.Module):
             if tok.numel():
                 y = self.experts.expert(e, x.index_select(0, tok)) * r.gates[tok, slot, None]  # (n_e, d)
                 out = out.index_add(0, tok, y.to(out.dtype))
-        return out
+        return self._ran("naive", "naive per-expert masks (asked for)", out)
 
     def capacity(self, n: int) -> int:
         """Assignments each expert takes with a capacity factor: ceil(cf · N · k / E)."""
@@ -255,7 +413,7 @@ class MoEBlock(nn.Module):
         buf = d.tokens.new_zeros(E * C, dm).index_copy(0, slot, d.tokens[keep])
         y = self.experts.padded(buf.view(E, C, dm)).reshape(E * C, -1).index_select(0, slot)  # (M_kept, d)
         kept = Dispatched(d.tokens[keep], d.source[keep], d.counts.clamp(max=C))
-        return self.combine(y, kept, r.gates, x.shape[0])
+        return self._ran("capacity", "fixed-capacity batched matmuls (capacity_factor)", self.combine(y, kept, r.gates, x.shape[0]))
 
 
 def set_dispatch(module: nn.Module, mode: Dispatch) -> None:

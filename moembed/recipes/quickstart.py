@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_path, iter_jsonl, read_yaml, write_jsonl
@@ -55,8 +55,19 @@ class QuickTrain(_Strict):
     aux_loss_coef: float = Field(1.0, ge=0)
     max_query_length: int = Field(32, ge=4)
     max_doc_length: int = Field(96, ge=4)
-    bf16: bool = True
+    bf16: bool | Literal["auto"] = Field("auto", validate_default=True)  # auto: moembed.model.linear.bf16_is_fast
     checkpoint_every: int = Field(10, ge=1)
+
+    @field_validator("bf16")
+    @classmethod
+    def _resolve_bf16(cls, v):
+        if v != "auto":
+            return v
+        import torch
+
+        from moembed.model.linear import bf16_is_fast
+
+        return bf16_is_fast("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class QuickEval(_Strict):
@@ -192,6 +203,11 @@ class Quickstart:
 
         dense = Embedder.load(self.base)
         dense.prompts = dict(_PROMPTS)  # both trained models use the Nomic task prefixes
+        # No attention dropout while finetuning: with it, attention on CPU leaves the fused (flash) kernel for one
+        # that stores every (B, heads, T, T) score matrix and mask, a quarter of a step's activation memory.
+        dense.encoder.config = dense.config.model_copy(update={"attention_dropout": 0.0})
+        for layer in dense.encoder.layers:
+            layer.attention_dropout = 0.0
         moe = upcycle(dense, self.cfg.experts, self.cfg.top_k, self.cfg.every, seed=self.cfg.seed)
         moe.name = "minilm-moe"
         moe.save(self.out / "models" / "moe-init")

@@ -5,8 +5,9 @@ LOCAL_RANK), joins the process group once when launched by torchrun, and drives 
 One optimizer step per batch: there is no plain gradient accumulation for the contrastive stages, since
 accumulating small batches shrinks the set of in-batch negatives; large contrastive batches come from GradCache
 (`chunk_size`). Data parallelism: every rank draws the same global batch and keeps its slice; embeddings are
-all-gathered inside the loss so negatives span all ranks; gradients are averaged over ranks after backward
-(what DDP does — done explicitly because a GradCache step runs several forward passes per backward).
+all-gathered inside the loss so negatives span all ranks; gradients are averaged over ranks in buckets whose
+all-reduces overlap the last backward pass (what DDP does — done explicitly because a GradCache step runs several
+forward passes per backward; `distributed.GradientSync`).
 
 Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, checkpoints/step-*/ (atomic, last N kept),
 plots/*.png, and the final model in the moembed format in model/.

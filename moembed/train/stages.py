@@ -168,8 +168,8 @@ class MLMStage(Stage):
         inputs, labels = mask_tokens(ids, cfg.mlm.mask_prob, mask_id(tok), module.embedder.config.vocab_size,
                                      special_ids(tok), g)
         out = mlm_loss(module, module(inputs.to(device), labels.to(device)))
-        out.loss.backward()
-        dist.all_reduce_gradients(module)
+        with dist.synchronised_gradients(module) as last_backward, last_backward():
+            out.loss.backward()
         rec = {"source": name, "loss": _scalar(out.loss), "mlm": _scalar(out.mlm), "aux": _scalar(out.aux),
                "masked": out.num_masked, "expert_load": expert_load(out.expert_counts)}
         return rec, cfg.batch_size * cfg.mlm.seq_len

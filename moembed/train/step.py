@@ -52,8 +52,9 @@ def contrastive_step(
 
     Args:
         model: the `Embedder` being trained. Pass the bare model and do NOT wrap it in DDP: gradients are averaged
-            over ranks here, after the (possibly chunked) backward passes, which DDP's per-backward hooks cannot
-            do. A DDP wrapper is accepted and unwrapped (its hooks stay idle). Every rank must start from the
+            over ranks here, in buckets whose all-reduces overlap the last backward pass (the only one after
+            which they are final when GradCache replays several chunks; `distributed.GradientSync`), which DDP's
+            per-backward hooks cannot do. A DDP wrapper is accepted and unwrapped (its hooks stay idle). Every rank must start from the
             same weights (`moembed.distributed.broadcast_parameters`).
         queries: (B, Tq) tokenised queries; documents: (B, Td) their positives, row i for query i.
         negatives: (B·H, Tn) hard negatives, query by query (rows i·H .. i·H+H-1 for query i),
@@ -87,11 +88,12 @@ def contrastive_step(
     def objective(enc: Encoded):
         return _objective(enc, loss, ids, sizes, top_k)
 
-    if chunk_size is not None and any(b.input_ids.shape[0] > chunk_size for b in batches):
-        parts = cached_backward(forward, batches, objective, chunk_size, device)
-    else:
-        parts = plain_backward(forward, batches, objective)
-    dist.all_reduce_gradients(bare)
+    # Gradients are averaged over ranks in buckets whose all-reduces overlap the last backward pass.
+    with dist.synchronised_gradients(bare) as last_backward:
+        if chunk_size is not None and any(b.input_ids.shape[0] > chunk_size for b in batches):
+            parts = cached_backward(forward, batches, objective, chunk_size, device, last_backward)
+        else:
+            parts = plain_backward(forward, batches, objective, last_backward)
     return _result(parts, sum(sizes))
 
 

@@ -1,0 +1,127 @@
+"""Which MoE dispatch runs: torch._grouped_mm's capability is checked once, an unusable kernel falls back to the
+expert loop (never an error), the path taken is recorded (`last_dispatch`) and logged once, and the bf16 copies
+of the expert weights are made once per weight version with gradients that reach the float32 weights."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moembed.model import moe as moe_mod
+from moembed.model.config import MoEConfig, tiny_config
+from moembed.model.moe import GroupedSupport, MoEBlock, cuda_grouped_kernel, grouped_support
+
+
+@pytest.fixture
+def fresh_dispatch_state():
+    """Forget the capability cache and the dispatch messages already logged, before and after the test."""
+    moe_mod._grouped_support.cache_clear()
+    moe_mod._ANNOUNCED.clear()
+    yield
+    moe_mod._grouped_support.cache_clear()
+    moe_mod._ANNOUNCED.clear()
+
+
+def block(bias: bool = True, seed: int = 0) -> MoEBlock:
+    torch.manual_seed(seed)
+    blk = MoEBlock(tiny_config(bias=bias, moe=MoEConfig(num_experts=4, top_k=2)))
+    if bias:
+        with torch.no_grad():
+            blk.experts.fc1_bias.normal_()
+            blk.experts.fc2_bias.normal_()
+    return blk
+
+
+def messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("MoE dispatch")]
+
+
+def test_grouped_runs_where_supported_and_is_logged_once(fresh_dispatch_state, caplog):
+    assert grouped_support(torch.device("cpu"), torch.float32).usable  # torch 2.13 has CPU grouped matmuls
+    blk = block()
+    blk.dispatch_mode = "grouped"
+    x = torch.randn(20, 32, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="moembed"):
+        for _ in range(3):
+            blk(x)[0].sum().backward()
+            assert blk.last_dispatch == "grouped"
+    assert len(messages(caplog)) == 1 and "grouped matmuls" in messages(caplog)[0]
+
+
+@pytest.mark.parametrize("failure", ["raises", "absent"])
+def test_unusable_grouped_mm_falls_back_to_the_loop(fresh_dispatch_state, caplog, monkeypatch, failure):
+    blk = block()
+    x = torch.randn(25, 32, requires_grad=True)
+    blk.dispatch_mode = "naive"
+    ref = blk(x)[0]
+    if failure == "raises":  # e.g. a GPU generation or dtype a torch release has no kernel for
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("grouped gemm is not supported on this device")
+
+        monkeypatch.setattr(torch, "_grouped_mm", broken)
+    else:  # a torch release before the API existed
+        monkeypatch.delattr(torch, "_grouped_mm")
+    support = grouped_support(x.device, x.dtype)
+    assert not support.usable
+    for mode in ("grouped", "auto"):
+        blk.dispatch_mode = mode
+        with caplog.at_level(logging.INFO, logger="moembed"):
+            y = blk(x)[0]
+        assert blk.last_dispatch == "loop"
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    (why,) = messages(caplog)
+    assert "expert loop instead of grouped matmuls" in why
+    assert ("failed" in why) if failure == "raises" else ("has no torch._grouped_mm" in why)
+
+
+def test_auto_takes_the_loop_where_grouped_is_not_the_faster_kernel(fresh_dispatch_state, monkeypatch):
+    # As on a CUDA GPU before sm_90: the op works (torch loops over the groups) but brings nothing.
+    monkeypatch.setattr(moe_mod, "grouped_support", lambda device, dtype: GroupedSupport(True, False, "test"))
+    blk = block()
+    x = torch.randn(16, 32, requires_grad=True)
+    blk.dispatch_mode = "auto"
+    blk(x)
+    assert blk.last_dispatch == "loop"
+    blk.dispatch_mode = "grouped"  # asked for explicitly, it still runs
+    blk(x)
+    assert blk.last_dispatch == "grouped"
+
+
+def test_cuda_grouped_kernel_needs_bf16_on_sm90_or_sm100():
+    assert cuda_grouped_kernel((9, 0), torch.bfloat16) and cuda_grouped_kernel((10, 0), torch.bfloat16)
+    assert not cuda_grouped_kernel((8, 0), torch.bfloat16)  # A100: torch's per-group fallback
+    assert not cuda_grouped_kernel((8, 9), torch.bfloat16)
+    assert not cuda_grouped_kernel((12, 0), torch.bfloat16)
+    assert not cuda_grouped_kernel((9, 0), torch.float32)
+
+
+def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float32():
+    blk = block()
+    blk.dispatch_mode = "grouped"
+    x = torch.randn(24, 32)
+
+    def step():
+        blk.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = blk(x)[0]
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        assert blk.last_dispatch == "grouped"
+        return {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
+
+    first = step()
+    cast = blk.experts.__dict__["_weight_cache"]["cast"][1][0]
+    second = step()
+    assert blk.experts.__dict__["_weight_cache"]["cast"][1][0] is cast  # reused, not cast again
+    for name, g in first.items():
+        assert g.dtype == torch.float32 and torch.equal(g, second[name]), name
+    blk.experts.__dict__["_weight_cache"].clear()  # a fresh cast gives the same gradients
+    for name, g in step().items():
+        assert torch.equal(g, first[name]), name
+    with torch.no_grad():  # an optimizer step bumps the version: the cast is made again
+        blk.experts.fc1_weight.mul_(2.0)
+    step()
+    fresh = blk.experts.__dict__["_weight_cache"]["cast"][1][0]
+    assert torch.equal(fresh, blk.experts.fc1_weight.detach().to(torch.bfloat16))
