@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, port: int, mode: str, args: dict, out: str) -
     from moembed import distributed as dist
     from moembed.losses.config import LossConfig
     from moembed.model.embedder import Embedder
-    from moembed.model.upcycle import upcycle
+    from moembed.model.convert.upcycle import upcycle
     from moembed.train.step import contrastive_step
 
     device = torch.device(args["device"], rank) if args["device"] == "cuda" else torch.device("cpu")
