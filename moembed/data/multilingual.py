@@ -99,12 +99,7 @@ class SuiteSource:
 
 
 def _dict_stride(name: str, cfg: SizeConfig) -> int:
-    """Every k-th index line, so that about `dict_entries` entries of the dictionary are read."""
-    index = readers.DICTD_DIR / f"{name}.index"
-    if cfg.dict_entries is None or not index.exists():
-        return 1
-    lines = index.read_bytes().count(b"\n")
-    return max(1, math.ceil(lines / cfg.dict_entries))
+    return readers.dictd_stride(name, cfg.dict_entries)
 
 
 def _freedict(name: str) -> Callable[[SizeConfig], Iterator[Pair]]:

@@ -174,6 +174,14 @@ def freedict_names() -> list[str]:
     return sorted(p.name[: -len(".index")] for p in DICTD_DIR.glob("freedict-*-*.index"))
 
 
+def dictd_stride(name: str, entries: int | None) -> int:
+    """The `stride` of `read_dictd` that reads about `entries` entries of dictionary `name` (None: all)."""
+    index = DICTD_DIR / f"{name}.index"
+    if entries is None or not index.exists():
+        return 1
+    return max(1, -(-index.read_bytes().count(b"\n") // entries))
+
+
 def freedict_install(name: str) -> str:
     return f"sudo apt-get install dict-{name}"
 
