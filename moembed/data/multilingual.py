@@ -3,14 +3,18 @@ language and cross-lingual, from registry packages only.
 
     >>> sources, tests = multilingual_suite("data/ml", size="small", seed=0)
     >>> sources[0]             # moembed.data.config.SourceConfig, ready for TrainConfig.data
-    SourceConfig(path='data/ml/train/chatterbot-de.jsonl', name='chatterbot-de', lang='de', ...)
+    SourceConfig(path='data/ml/train/freedict-deu-eng.jsonl', name='freedict-deu-eng', lang='de-en', size=1000, ...)
     >>> tests["freedict-fra-eng"]
     TestSet(path=PosixPath('data/ml/test/freedict-fra-eng'), query_lang='fr', doc_lang='en')
 
-`multilingual_suite(out_dir, size="small", seed=0) -> (list[SourceConfig], dict[str, TestSet])`
-    out_dir  directory written atomically; a finished one (same size and seed in its meta.json) is reused as is
+`multilingual_suite(out_dir, size="small", seed=0, sources=None) -> (list[SourceConfig], dict[str, TestSet])`
+    out_dir  directory written atomically; a finished one (same size, seed and sources in its meta.json) is reused
     size     tiny | small | medium | large (SIZES: training pairs per source, evaluation sizes, dictionary sample)
     seed     same seed, byte-identical files
+    sources  a subset of the source names of `suite_sources()` (default: all)
+    returns  the training sources (SourceConfig: path, name, lang, size = training pairs; sources left with no
+             training pair are omitted) and the test sets by source name (TestSet: BEIR path, query_lang,
+             doc_lang, .cross_lingual); sample the sources with SamplerConfig(alpha=LANGUAGE_ALPHA)
 
 Sources (each its own source with a `lang` tag, so that a batch never mixes languages):
     freedict-XXX-YYY  Debian dict-freedict-*: XXX word/phrase → YYY translation or gloss, from both dictionaries of
@@ -81,6 +85,7 @@ SIZES = {
 class TestSet:
     """A BEIR test directory with its languages (equal for a monolingual set)."""
 
+    __test__ = False  # not a pytest test class, whatever its name
     path: Path
     query_lang: str
     doc_lang: str
