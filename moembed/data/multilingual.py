@@ -30,10 +30,11 @@ Layout:
     DIR/meta.json              size, seed, and per source: languages, counts, pairs dropped for overlap
 
 No text is shared between training and evaluation, across all sources: each source is split by document
-(`splits.split_pairs`), then every training pair is dropped whose query or document, or (for dictionaries) any
-single translation in it, occurs anywhere in a dev or test set of any source (compared case-folded). A test
-document is therefore never a training document nor a training query, also not through the other direction of
-a dictionary pair or another language pair sharing the English side.
+(`splits.split_pairs`), then every training pair is dropped whose query or document occurs anywhere in a dev or
+test set of any source, or (for dictionaries) any single translation in which occurs in a dev or test set of the
+same language pair (compared case-folded). A test document is therefore never a training document nor a training
+query, also not through the other direction of a dictionary pair or another language pair sharing the English
+side, and no translation of a test entry is trained on in its language pair.
 """
 
 from __future__ import annotations
@@ -157,11 +158,15 @@ def _key(text: str) -> str:
 
 
 def pair_keys(p: Pair) -> set[str]:
-    """The texts by which a pair can leak into an evaluation set: query and document, and for a dictionary pair
-    each single translation in them too (case-folded)."""
+    """The texts by which a pair can leak into an evaluation set (case-folded): its query and its document, and for
+    a dictionary pair each single translation in them, tagged with the unordered language pair ("eng-fra|fat"):
+    within one language pair a shared translation is the same entry seen from the other dictionary or direction,
+    while an English word shared by German-English and French-English is not a leak (and untagged it would strip
+    the small dictionaries of most of their training pairs)."""
     keys = {_key(p.query), _key(p.document)}
     if p.source.startswith("freedict-"):
-        keys.update(_key(t) for t in readers.freedict_terms(p.query) + readers.freedict_terms(p.document))
+        tag = "-".join(sorted(p.source.split("-")[1:]))
+        keys.update(f"{tag}|{_key(t)}" for t in readers.freedict_terms(p.query) + readers.freedict_terms(p.document))
     return keys
 
 
