@@ -165,13 +165,13 @@ def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tmp_path, minilm_
         res = real(*a, **k)
         calls.append(1)
         if len(calls) == 3:
-            res.loss = float("nan")
+            res.loss = res.rank_loss = float("nan")
         return res
 
     monkeypatch.setattr(step_mod, "contrastive_step", poisoned)
     out = tmp_path / "nan"
     cfg = load_config(TINY / "contrastive.yaml", _overrides(minilm_path, out, pairs_file[0]))
-    with pytest.raises(MoembedError, match=r"step 3: loss is nan .*Last good checkpoint: .*step-00000002"):
+    with pytest.raises(MoembedError, match=r"step 3: loss is nan on rank 0 .*Last good checkpoint: .*step-00000002"):
         train(cfg, progress=False)
     mgr = CheckpointManager(out / "checkpoints")
     assert mgr.latest().name == "step-00000002" and not (out / "model").exists()
