@@ -101,6 +101,9 @@ class GradientSync:
       order even when a parameter gets no gradient on one rank (its bucket, and those after it, go at `finish()`);
     - `finish()` launches the rest, waits, divides by the number of ranks, and lets go of the buffers (the `.grad`
       views keep them alive until the next zero_grad).
+    Before a bucket is sent, the 2-norm of this rank's own part is taken: `local_norm` (after `finish()`) is the
+    norm of this rank's gradients before averaging, which says on which rank a non-finite gradient arose (after the
+    all-reduce every rank holds it).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
@@ -125,6 +128,8 @@ class GradientSync:
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]
         self.flat: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._armed, self._ready, self._seen, self._work = False, [0] * len(self.buckets), set(), []
+        self._norms: list[torch.Tensor] = []
+        self.local_norm: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     @staticmethod
@@ -151,6 +156,7 @@ class GradientSync:
         """Start a step: gradients already present (not zeroed by the caller) move into their buckets."""
         self.flat = [None] * len(self.buckets)
         self._ready, self._seen, self._work = [0] * len(self.buckets), set(), []
+        self._norms, self.local_norm = [], None
         for p in self.params:
             if p.grad is not None:
                 self._adopt(p)
@@ -177,6 +183,9 @@ class GradientSync:
     def _launch(self, i: int) -> None:
         for p in self.buckets[i]:  # parameters without any gradient this step take part as zeros
             self._adopt(p)
+        # Queued before the all-reduce (same stream on CUDA, synchronously on CPU): it reads this rank's values.
+        flat = self.flat[i]  # (bucket size,)
+        self._norms.append(torch.linalg.vector_norm(flat, dtype=torch.promote_types(flat.dtype, torch.float32)))
         self._work.append(dist.all_reduce(self.flat[i], op=dist.ReduceOp.SUM, async_op=True))
 
     def finish(self) -> None:
@@ -187,6 +196,9 @@ class GradientSync:
             work.wait()
             flat /= world_size()
         self.flat = [None] * len(self.buckets)
+        if self._norms:
+            device = self._norms[0].device
+            self.local_norm = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in self._norms]))
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -220,6 +232,16 @@ def synchronised_gradients(module: torch.nn.Module):
     sync.prepare()
     yield sync.overlap
     sync.finish()
+
+
+def local_gradient_norm(module: torch.nn.Module) -> torch.Tensor | None:
+    """The 2-norm (a float32 tensor on the gradients' device) of this rank's own gradients of `module` in the last
+    `synchronised_gradients` block, taken before they were averaged over ranks; None in one process (where the
+    gradients are this rank's own: take their norm directly) or before any synchronised step."""
+    if world_size() == 1:
+        return None
+    sync = _SYNCS.get(module)
+    return None if sync is None else sync.local_norm
 
 
 def all_reduce_gradients(module: torch.nn.Module) -> None:

@@ -218,6 +218,28 @@ def test_concat_and_sum_follow_their_definitions(sources):
     np.testing.assert_allclose(sim, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v2"])
+def test_raw_concat_is_the_papers_concatenation(sources, family):
+    """MoEE §3.3: e_final = [e_HS ; e_RW] with e_HS the last layer's hidden state at the last token (eq. 1) and e_RW
+    the per-layer softmax of the router logits there, concatenated (eq. 2-3): read off one plain forward per text,
+    nothing rescaled (unlike "concat", whose blocks are unit length)."""
+    src = sources[family]
+    model = MoEEModel(src, "concat_raw")
+    got = model.encode(TEXTS, batch_size=2)
+    assert got.shape == (len(TEXTS), model.dim) and model.dim == src.hs_dim + src.rw_dim
+    for i, text in enumerate(TEXTS):
+        ids = torch.tensor([src.token_ids([text])[0]])
+        with torch.no_grad():
+            out = src.lm(input_ids=ids, output_router_logits=True, output_hidden_states=True)
+        e_hs = out.hidden_states[-1][0, -1]  # (d_HS,)
+        e_rw = torch.cat([torch.softmax(z.float(), -1)[-1] for z in out.router_logits])  # (L_moe · E,)
+        np.testing.assert_allclose(got[i], torch.cat([e_hs, e_rw]).numpy(), atol=1e-5, rtol=1e-4)
+    norms = np.linalg.norm(got[:, : src.hs_dim], axis=1)
+    assert not np.allclose(norms, 1.0)  # the HS block keeps its own scale
+    normalised = MoEEModel(src, "concat").encode(TEXTS)
+    assert not np.allclose(got, normalised, atol=1e-3)
+
+
 def test_sum_model_is_batch_independent_and_rejects_dim_precision(sources):
     model = SumModel(sources["mixtral"], alpha=1.0)
     batched = model.encode(TEXTS, batch_size=len(TEXTS))

@@ -165,18 +165,47 @@ def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tmp_path, minilm_
         res = real(*a, **k)
         calls.append(1)
         if len(calls) == 3:
-            res.loss = float("nan")
+            res.loss = res.rank_loss = float("nan")
         return res
 
     monkeypatch.setattr(step_mod, "contrastive_step", poisoned)
     out = tmp_path / "nan"
     cfg = load_config(TINY / "contrastive.yaml", _overrides(minilm_path, out, pairs_file[0]))
-    with pytest.raises(MoembedError, match=r"step 3: loss is nan .*Last good checkpoint: .*step-00000002"):
+    with pytest.raises(MoembedError, match=r"step 3: loss is nan on rank 0 .*Last good checkpoint: .*step-00000002"):
         train(cfg, progress=False)
     mgr = CheckpointManager(out / "checkpoints")
     assert mgr.latest().name == "step-00000002" and not (out / "model").exists()
     t = Trainer(cfg, progress=False)  # the checkpoint restores cleanly
     assert t.resume() == 2
+
+
+def test_nonfinite_step_is_skipped_within_budget_and_the_count_survives_resume(tmp_path, minilm_path, pairs_file,
+                                                                              monkeypatch):
+    import moembed.train.step as step_mod
+    from moembed.train.loop import Trainer, train
+
+    real, calls = step_mod.contrastive_step, []
+
+    def poisoned(*a, **k):
+        res = real(*a, **k)
+        calls.append(1)
+        if len(calls) in (2, 4):  # step 2 is skipped (budget 1); step 4 exceeds the budget
+            res.loss = res.rank_loss = float("inf")
+        return res
+
+    monkeypatch.setattr(step_mod, "contrastive_step", poisoned)
+    out = tmp_path / "skip"
+    cfg = load_config(TINY / "contrastive.yaml", _overrides(minilm_path, out, pairs_file[0]) + ["skip_nonfinite=1",
+                                                                                                  "steps=3"])
+    train(cfg, progress=False)
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in recs if r.get("event") == "skipped"]
+    assert [(r["step"], r["reason"], r["ranks"]) for r in skipped] == [(2, "loss is inf on rank 0", [0])]
+    assert all("grad_norm" in r for r in recs if "loss" in r)
+    t = Trainer(cfg.model_copy(update={"steps": 5}), progress=False)
+    assert t.resume() == 3 and t.skipped == 1  # the budget is spent, also after a resume
+    with pytest.raises(MoembedError, match=r"step 4: loss is inf on rank 0 .*1 earlier step\(s\) skipped"):
+        train(cfg.model_copy(update={"steps": 5}), progress=False)
 
 
 KILL_SEED = 18

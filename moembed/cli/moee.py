@@ -15,7 +15,8 @@ def moee(
     model: str = typer.Argument(..., help="Hugging Face MoE causal-LM directory, or a moembed MoE encoder directory"),
     input: Path = typer.Option(..., "--input", "-i", help="one JSON string per line (or plain lines with --plain)"),
     output: Path = typer.Option(..., "--output", "-o", help="output .npy: one row per input line, in order"),
-    mode: str = typer.Option("concat", help="hs | rw | concat  (concat = [HS/|HS| ; RW/|RW|])"),
+    mode: str = typer.Option("concat", help="hs | rw | concat | concat_raw  (concat = [HS/|HS| ; RW/|RW|], "
+                                            "concat_raw = the paper's [HS ; RW])"),
     prompt: str = typer.Option(None, help="language models: a Table 2 name (none, prompteol, ...) or a template "
                                           "with *sent*; encoders: a prefix name such as search_query"),
     pooling: str = typer.Option(None, help="last | mean: token pooling of HS and RW (language models; default "

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moembed.errors import MoembedError
 from moembed.eval.classification import Classification
@@ -21,11 +22,18 @@ from moembed.eval.pair_classification import PairClassification
 from moembed.eval.reranking import Reranking
 from moembed.eval.retrieval import Retrieval
 from moembed.eval.sts import STS
-from moembed.eval.task import Task, TaskType
+from moembed.eval.task import Protocol, Task, TaskType
 from moembed.fileio import iter_jsonl
 
 TASK_TYPES: dict[str, TaskType] = {
     t.name: t for t in (Retrieval(), STS(), PairClassification(), Reranking(), Classification(), Clustering())
+}
+
+
+_PROTOCOL_KEYS = {"protocol", "seed", "n_experiments", "samples_per_label", "cluster_sample_size"}
+_PROTOCOL_KEYS_OF = {  # the settings each type's "mteb" protocol reads
+    "classification": {"n_experiments", "samples_per_label"},
+    "clustering": {"n_experiments", "cluster_sample_size"},
 }
 
 
@@ -36,12 +44,30 @@ def task_type(name: str) -> TaskType:
 
 
 class TaskSpec(BaseModel):
-    """The optional `task.json` of a task directory."""
+    """The optional `task.json` of a task directory; the protocol keys apply to the types with `protocols`
+    (classification, clustering, pair classification; see `moembed.eval.task.Protocol`)."""
 
     model_config = ConfigDict(extra="forbid")
     type: str | None = None
     name: str | None = None
     split: str = "test"
+    protocol: Literal["mteb", "legacy"] | None = None
+    seed: int | None = None
+    n_experiments: int | None = Field(None, ge=1)
+    samples_per_label: int | None = Field(None, ge=1)
+    cluster_sample_size: int | None = Field(None, ge=1)
+
+    def to_protocol(self, f: Path, kind: TaskType) -> Protocol:
+        """The scoring protocol of a task of type `kind`; keys that do not apply are refused, naming the key."""
+        given = {k: v for k, v in self.model_dump(include=_PROTOCOL_KEYS).items() if v is not None}
+        if given and not kind.protocols:
+            raise MoembedError(f"{f}: key {sorted(given)[0]!r}: task type {kind.name} has no scoring protocol")
+        applies = _PROTOCOL_KEYS_OF.get(kind.name, set()) | {"protocol", "seed"}
+        name = given.get("protocol", Protocol().name)
+        for key in sorted(given):
+            if key not in applies or (name == "legacy" and key not in ("protocol", "seed")):
+                raise MoembedError(f"{f}: key {key!r}: does not apply to {kind.name} with protocol {name!r}")
+        return Protocol(name=name, **{k: v for k, v in given.items() if k != "protocol"})
 
     @field_validator("type")
     @classmethod
@@ -98,4 +124,5 @@ def load_task(path: str | Path) -> Task:
         raise MoembedError(f"{path}: not a task directory")
     spec = _spec(path)
     name = spec.type or detect_type(path, spec.split)
-    return Task(spec.name or path.name, name, spec.split, path, TASK_TYPES[name].read(path, spec.split))
+    protocol = spec.to_protocol(path / "task.json", TASK_TYPES[name])
+    return Task(spec.name or path.name, name, spec.split, path, TASK_TYPES[name].read(path, spec.split), protocol)

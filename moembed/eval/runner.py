@@ -47,4 +47,5 @@ def run_task(model, task: Task, view: View, cache: EmbeddingCache | None = None,
         dim=view.dim or model.dim, precision=view.precision,
         max_length=own.max_length if own is not None else None,
         dynamic_ntk=own.config.dynamic_ntk if own is not None and own.config.position == "rotary" else None,
+        extra={"protocol": task.protocol.name} if kind.protocols else {},
     )

@@ -16,6 +16,32 @@ import numpy as np
 from moembed.eval.encoding import EmbeddingCache, View, encode, pairwise
 
 
+PROTOCOLS = ("mteb", "legacy")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How classification, clustering and pair classification are scored (task.json `protocol` and its settings).
+
+    "mteb" (the default) follows MTEB 2's task classes so that scores compare with MTEB's: classification fits
+    logistic regression (max_iter 100) on `n_experiments` undersampled training sets of `samples_per_label`
+    texts per label; clustering runs MTEB 2's bootstrapped mini-batch k-means on the raw embeddings,
+    `n_experiments` samples of `cluster_sample_size` texts; pair classification reports the best AP over the
+    similarity functions. "legacy" is moembed's earlier protocol (see each type's module). The seed defaults to
+    MTEB's (42) and to 0 for legacy.
+    """
+
+    name: str = "mteb"
+    seed: int | None = None
+    n_experiments: int = 10  # classification: undersampled training sets; clustering: bootstrap samples
+    samples_per_label: int = 8  # classification: training texts per label in each experiment
+    cluster_sample_size: int = 16_384  # clustering: texts drawn (with replacement) for each bootstrap sample
+
+    @property
+    def random_seed(self) -> int:
+        return self.seed if self.seed is not None else (42 if self.name == "mteb" else 0)
+
+
 @dataclass
 class Task:
     """A loaded task. `data` holds the validated content, as the task type's `read` returns it:
@@ -31,6 +57,7 @@ class Task:
     split: str
     path: Path
     data: dict[str, Any] = field(default_factory=dict)
+    protocol: Protocol = Protocol()  # used by the types that have `protocols`
 
 
 @dataclass(frozen=True)
@@ -53,6 +80,7 @@ class TaskType:
     document_prompt: ClassVar[str]  # prompt name of documents / candidates
     detect_files: ClassVar[tuple[str, ...]] = ()  # a directory holding any of these files is of this type
     detect_keys: ClassVar[frozenset[str] | None] = None  # else: the first record of <split>.jsonl has these keys
+    protocols: ClassVar[tuple[str, ...]] = ()  # scoring protocols a task.json may choose (`Protocol`); () for none
 
     def read(self, path: Path, split: str) -> dict[str, Any]:
         """The validated content of a task directory (errors name the file and line)."""

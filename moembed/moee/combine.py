@@ -1,8 +1,10 @@
 """MoEE: combining hidden-state (HS) and routing-weight (RW) embeddings (MoEE §3.3).
 
 - `MoEEModel(source, mode)`: mode "hs" or "rw" gives that embedding L2-normalised; "concat" gives
-  MoEE(concat) = [HS/‖HS‖ ; RW/‖RW‖]. (With both blocks unit length, the cosine of two concat vectors is
-  (cos_HS + cos_RW) / 2, i.e. it ranks like MoEE(sum) with α = 1.)
+  MoEE(concat) = [HS/‖HS‖ ; RW/‖RW‖] (the default). (With both blocks unit length, the cosine of two concat
+  vectors is (cos_HS + cos_RW) / 2, i.e. it ranks like MoEE(sum) with α = 1.) "concat_raw" gives the paper's own
+  MoEE(concat), e_final = [e_HS ; e_RW] ∈ R^{d_HS + d_RW} (§3.3), with neither block rescaled: the HS block, whose
+  norm is typically orders of magnitude above RW's (each RW layer block sums to 1), then dominates its cosine.
 - `SumModel(source, alpha)`: MoEE(sum), a model with its own similarity sim = cos_HS + α·cos_RW (eq. 6). Its
   `encode` returns the same concatenation, and `similarity(a, b)` splits it at `split` = d_HS.
 
@@ -27,7 +29,7 @@ from moembed.errors import MoembedError
 from moembed.model.protocol import short_hash
 from moembed.moee.extract import ExtractConfig, Features
 
-MODES = ("hs", "rw", "concat")
+MODES = ("hs", "rw", "concat", "concat_raw")
 
 
 def combine(f: Features, mode: str) -> torch.Tensor:
@@ -38,6 +40,8 @@ def combine(f: Features, mode: str) -> torch.Tensor:
         return F.normalize(f.rw, dim=-1)
     if mode == "concat":
         return torch.cat([F.normalize(f.hs, dim=-1), F.normalize(f.rw, dim=-1)], dim=-1)  # (n, d_HS + d_RW)
+    if mode == "concat_raw":  # MoEE §3.3: e_final = [e_HS ; e_RW], as extracted
+        return torch.cat([f.hs.float(), f.rw.float()], dim=-1)  # (n, d_HS + d_RW)
     raise MoembedError(f"mode: unknown {mode!r}; choose one of {', '.join(MODES)}")
 
 

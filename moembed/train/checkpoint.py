@@ -63,6 +63,7 @@ class Resumed:
     step: int
     data_state: dict
     path: Path
+    meta: dict
 
 
 class CheckpointManager:
@@ -83,10 +84,14 @@ class CheckpointManager:
         found = self.all()
         return found[-1] if found else None
 
+    def path(self, step: int) -> Path:
+        """The directory of the checkpoint after `step` steps."""
+        return self.dir / f"step-{step:08d}"
+
     def save(self, step: int, model: nn.Module, optimizer, scheduler, data_state: dict, meta: dict | None = None,
              rng_states: list[dict] | None = None) -> Path:
         """Write step-<step>/ atomically; `rng_states` holds one entry per rank (default: this process's)."""
-        target = self.dir / f"step-{step:08d}"
+        target = self.path(step)
         with atomic_dir(target) as tmp:
             save_model(model, str(tmp / "model.safetensors"))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -126,4 +131,4 @@ class CheckpointManager:
         scheduler.load_state_dict(extra["scheduler"])
         rngs = extra["rng"]
         set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-        return Resumed(step=int(state["step"]), data_state=state["data"], path=path)
+        return Resumed(step=int(state["step"]), data_state=state["data"], path=path, meta=state.get("meta") or {})

@@ -85,6 +85,9 @@ class TrainConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     output_dir: str
     skip_bad: bool = False
+    # Steps with a non-finite loss or gradient (on any rank) that are skipped, every rank together, before the run
+    # stops at the next one; 0: stop at the first (loop.Trainer.train_step).
+    skip_nonfinite: int = Field(0, ge=0)
     mlm: MLMConfig = MLMConfig()
 
     @model_validator(mode="after")

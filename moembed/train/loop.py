@@ -100,28 +100,76 @@ class Trainer:
         self.module.to(self.device).train()
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.optim, cfg.steps)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
-        self.step, self.last_ckpt = 0, None
+        self.step, self.last_ckpt, self.skipped = 0, None, 0
         torch.manual_seed(cfg.seed + self.rank)  # dropout differs per rank, reproducibly
 
     def train_step(self) -> tuple[dict, int]:
-        """Forward, backward, checks, gradient sync, clip, optimizer and scheduler step. Returns (record, items)."""
+        """Forward, backward, gradient sync, the non-finite check, clip, optimizer and scheduler step.
+
+        Returns (record, items). A step whose loss or gradients are not finite on any rank updates no rank: every
+        rank takes the same decision from the same all-reduced numbers (`_nonfinite`). Within the
+        `skip_nonfinite` budget the step is skipped (its batch is consumed, the schedule advances, weights and
+        optimizer state stay; the record is an event "skipped"); beyond it every rank raises the same
+        MoembedError naming the step, the rank(s) and the last good checkpoint.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
         with amp:
             rec, items = self.stage.step(self.module, self.stream, self.device, self.step, self.rank)
-        if not math.isfinite(rec["loss"]):
-            where = self.last_ckpt or "none written yet"
-            raise MoembedError(
-                f"step {self.step + 1}: loss is {rec['loss']} (source {rec['source']!r}); training stopped "
-                f"before updating the weights. Last good checkpoint: {where}"
-            )
+        rank_loss = rec.pop("rank_loss", rec["loss"])
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])  # averaged gradients: the global norm
+        own = dist.local_gradient_norm(self.module)  # before averaging; None in one process (where it is `total`)
+        problem = self._nonfinite(rank_loss, total if own is None else own, total)
+        if problem is not None:
+            return self._skip_or_stop(problem, rec["source"]), items
         if self.cfg.optim.grad_clip:
-            rec["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.optim.grad_clip))
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.grad_clip, total)
+        rec["grad_norm"] = float(total)
         rec["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         return rec, items
+
+    def _nonfinite(self, rank_loss: float, own_norm: torch.Tensor, total: torch.Tensor) -> tuple[str, list[int]] | None:
+        """(what is not finite, on which ranks), or None when every rank's loss and gradients are finite.
+
+        One all-reduce (sum) of a (W, 3) table in which each rank fills its row — its own loss, the norm of its own
+        gradients before averaging, the norm after — carries every rank's values to every rank exactly (x + 0 = x,
+        NaN and inf included), so all ranks decide alike. A NaN loss on one rank reaches the others' gradients
+        through the gathered embeddings, so a bad loss is reported before bad gradients."""
+        values = torch.zeros(self.world, 3, dtype=torch.float32, device=self.device)  # (W, 3)
+        values[self.rank, 0] = rank_loss
+        values[self.rank, 1] = own_norm.detach().float().to(self.device)
+        values[self.rank, 2] = total.detach().float().to(self.device)
+        rows = dist.all_reduce_sum(values).tolist()
+        for col, what in ((0, "loss"), (1, "gradient norm")):
+            bad = [r for r, row in enumerate(rows) if not math.isfinite(row[col])]
+            if bad:
+                ranks = ", ".join(map(str, bad))
+                return f"{what} is {rows[bad[0]][col]} on rank{'s' if len(bad) > 1 else ''} {ranks}", bad
+        if not all(math.isfinite(row[2]) for row in rows):  # finite on each rank, overflowing in the average
+            return f"gradient norm is {rows[0][2]} after averaging over ranks", list(range(self.world))
+        return None
+
+    def _skip_or_stop(self, problem: tuple[str, list[int]], source: str) -> dict:
+        what, ranks = problem
+        if self.skipped < self.cfg.skip_nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.step += 1
+            self.skipped += 1
+            log.warning("step %d skipped on every rank: %s (source %r; %d of skip_nonfinite=%d)",
+                        self.step, what, source, self.skipped, self.cfg.skip_nonfinite)
+            return {"event": "skipped", "source": source, "reason": what, "ranks": ranks, "skipped": self.skipped}
+        where = self.last_ckpt or "none written yet"
+        budget = f" ({self.skipped} earlier step(s) skipped, skip_nonfinite={self.cfg.skip_nonfinite})" \
+            if self.cfg.skip_nonfinite else ""
+        raise MoembedError(
+            f"step {self.step + 1}: {what} (source {source!r}); training stopped on every rank before updating "
+            f"the weights{budget}. Last good checkpoint: {where}"
+        )
 
     # ---- checkpoints, eval, outputs -----------------------------------------------------------------------------
 
@@ -131,17 +179,17 @@ class Trainer:
             return None
         r = self.ckpt.load(latest, self.module, self.optimizer, self.scheduler, self.rank)
         self.stream.load_state(r.data_state)
-        self.step, self.last_ckpt = r.step, latest
+        self.step, self.last_ckpt, self.skipped = r.step, latest, int(r.meta.get("skipped", 0))
         log.info("resuming from %s (step %d)", latest, r.step)
         return r.step
 
     def save_checkpoint(self) -> None:
         rngs = dist.all_gather_object(rng_state())
         if self.main:
-            meta = {"stage": self.stage.name, "world_size": self.world}
-            self.last_ckpt = self.ckpt.save(self.step, self.module, self.optimizer, self.scheduler,
-                                            self.stream.state(), meta, rngs)
+            meta = {"stage": self.stage.name, "world_size": self.world, "skipped": self.skipped}
+            self.ckpt.save(self.step, self.module, self.optimizer, self.scheduler, self.stream.state(), meta, rngs)
         dist.barrier()
+        self.last_ckpt = self.ckpt.path(self.step)  # on every rank: a stop names it alike on all
 
     def evaluate(self) -> dict:
         from moembed.eval import evaluate
@@ -168,7 +216,8 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
 
 
 def train(cfg: TrainConfig, progress: bool = True, resume: bool = True) -> Path:
-    """Run (or resume) training; returns the final model directory. Raises MoembedError on bad input or NaN loss.
+    """Run (or resume) training; returns the final model directory. Raises MoembedError on bad input, or on every
+    rank together on a non-finite loss or gradient beyond the `skip_nonfinite` budget.
 
     Under torchrun: joins the process group (nccl on CUDA, gloo otherwise) and starts every rank from rank 0's
     weights."""
@@ -189,12 +238,16 @@ def train(cfg: TrainConfig, progress: bool = True, resume: bool = True) -> Path:
             t0 = time.perf_counter()
             rec, items = t.train_step()
             dt = time.perf_counter() - t0
-            rate = items / dt if rate is None else 0.9 * rate + 0.1 * items / dt
-            unit = t.stage.rate_unit
-            rec = {"step": t.step, **rec, unit: items / dt, "time": time.time()}
-            if t.step % cfg.log_every == 0 or t.step == cfg.steps:
-                metrics.write(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", **{unit.split("_")[0] + "/s": f"{rate:.1f}"})
+            if rec.get("event") == "skipped":  # always recorded; no loss, rate or progress figures
+                metrics.write({"step": t.step, **rec, "time": time.time()})
+            else:
+                rate = items / dt if rate is None else 0.9 * rate + 0.1 * items / dt
+                unit = t.stage.rate_unit
+                rec = {"step": t.step, **rec, unit: items / dt, "time": time.time()}
+                if t.step % cfg.log_every == 0 or t.step == cfg.steps:
+                    metrics.write(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}",
+                                **{unit.split("_")[0] + "/s": f"{rate:.1f}"})
             bar.update(1)
             if t.step % cfg.checkpoint.every == 0 or t.step == cfg.steps:
                 t.save_checkpoint()

@@ -3,7 +3,8 @@
 A stage builds the module it optimises (from the run's Embedder) and its data stream, runs one step — forward,
 backward and the gradient average over ranks, returning a log record and the number of items consumed — and
 writes its extras beside the final model. The Trainer (loop.py) does everything else identically for every
-stage: optimizer and schedule, NaN check, clipping, checkpoints, evaluation, metrics.
+stage: optimizer and schedule, the non-finite check of every rank's loss and gradients (skip or stop together),
+clipping, checkpoints, evaluation, metrics.
 
 Collectives run only inside `step` (gathering embeddings, routing counts and gradients across ranks); with one
 process they are the identity (moembed.distributed).
@@ -78,8 +79,10 @@ class Stage:
         raise NotImplementedError
 
     def step(self, module: nn.Module, stream, device: torch.device, step: int, rank: int) -> tuple[dict, int]:
-        """Forward and backward of one batch, gradients averaged over ranks; (log record, items consumed).
-        The record holds at least "source" and "loss". `step` is the number of steps done before this one."""
+        """Forward and backward of one batch, gradients averaged over ranks (`distributed.synchronised_gradients`
+        on `module`); (log record, items consumed). The record holds at least "source" and "loss", and
+        "rank_loss" (this rank's own term) when "loss" is averaged over ranks. `step` is the number of steps done
+        before this one. The step never decides to stop: the Trainer checks losses and gradients of all ranks."""
         raise NotImplementedError
 
     def write_extras(self, module: nn.Module, directory: Path) -> None:
@@ -111,8 +114,8 @@ class ContrastiveStage(Stage):
         # Gradients come back averaged over ranks; false negatives are found by document text.
         res = steps.contrastive_step(module, q, d, n, cfg.loss, cfg.chunk_size,
                                      doc_ids=b.documents + (b.negatives or []))
-        rec = {"source": b.source, "loss": _scalar(res.loss), "contrastive": _scalar(res.contrastive),
-               "aux": _scalar(res.aux), "z": _scalar(res.z)}
+        rec = {"source": b.source, "loss": _scalar(res.loss), "rank_loss": _scalar(res.rank_loss),
+               "contrastive": _scalar(res.contrastive), "aux": _scalar(res.aux), "z": _scalar(res.z)}
         if res.per_dim:
             rec["per_dim"] = {str(k): _scalar(v) for k, v in res.per_dim.items()}
         rec["expert_load"] = expert_load(res.expert_counts)

@@ -32,6 +32,7 @@ class StepResult:
     per_dim: dict[int, float] = field(default_factory=dict)  # InfoNCE at each Matryoshka dimension
     num_queries: int = 0  # queries in the global batch (all ranks)
     expert_counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer (E,), this rank, all passes
+    rank_loss: float = 0.0  # this rank's own term of `loss` before averaging (says where a NaN arose)
 
 
 def unwrap(model: nn.Module) -> Embedder:
@@ -179,8 +180,10 @@ def _gather_ids(ids: torch.Tensor, B: int, sizes: list[int]) -> torch.Tensor:
 
 def _result(parts, num_queries: int) -> StepResult:
     logged, dims, counts = parts
+    local = logged[0]
     logged = dist.all_reduce_mean(logged).tolist()
     return StepResult(
         loss=logged[0], contrastive=logged[1], aux=logged[2], z=logged[3],
         per_dim=dict(zip(dims, logged[4:])), num_queries=num_queries, expert_counts=list(counts),
+        rank_loss=float(local),
     )
