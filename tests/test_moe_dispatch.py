@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moembed.model import moe as moe_mod
-from moembed.model.config import MoEConfig, tiny_config
+from moembed.model.config import MoEConfig
+from moembed.model.presets import tiny_config
 from moembed.model.moe import GroupedSupport, MoEBlock, cuda_grouped_kernel, grouped_support
 
 
