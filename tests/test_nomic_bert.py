@@ -181,8 +181,9 @@ def published_weights(seed: int = 0, vocab: int = 30522) -> dict[str, torch.Tens
                    p + "norm1.weight": 1 + r(D), p + "norm1.bias": r(D),
                    p + "norm2.weight": 1 + r(D), p + "norm2.bias": r(D)})
         if i % 2 == 1:
-            sd.update({p + "mlp.router.layer.weight": r(E, D, std=0.5), p + "mlp.experts.mlp.w1": r(E * INNER, D, std=0.2),
-                       p + "mlp.experts.mlp.w2": r(E * INNER, D, std=0.2), p + "mlp.experts.bias": r(D)})
+            sd.update({p + "mlp.router.layer.weight": r(E, D, std=0.5), p + "mlp.experts.bias": r(D),
+                       p + "mlp.experts.mlp.w1": r(E * INNER, D, std=0.2),
+                       p + "mlp.experts.mlp.w2": r(E * INNER, D, std=0.2)})
         else:
             sd.update({p + "mlp.fc1.weight": r(INNER, D, std=0.2), p + "mlp.fc1.bias": r(INNER),
                        p + "mlp.fc2.weight": r(D, INNER, std=0.2), p + "mlp.fc2.bias": r(D)})
@@ -300,7 +301,8 @@ def test_moe_block_options_follow_the_published_equations(make_tiny):
     x = torch.randn(40, D, generator=torch.Generator().manual_seed(2))
     w1 = block.experts.fc1_weight.detach().reshape(E * INNER, D).requires_grad_()
     w2 = block.experts.fc2_weight.detach().transpose(1, 2).reshape(E * INNER, D).requires_grad_()
-    router, bias, xr = block.router.weight.detach().requires_grad_(), block.output_bias.detach().requires_grad_(), x.clone().requires_grad_()
+    router, bias = block.router.weight.detach().requires_grad_(), block.output_bias.detach().requires_grad_()
+    xr = x.clone().requires_grad_()
     ref = reference_moe(xr, router, w1, w2, bias)
     g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
     (ref * g).sum().backward()
@@ -326,7 +328,8 @@ def write_back(emb: Embedder, out: Path, layout="published") -> Path:
 
     out.mkdir()
     (out / "config.json").write_text(json.dumps(CONVERTER.hf_config(emb.config, layout=layout), indent=2))
-    save_file(CONVERTER.weights_to_hf(emb.encoder.state_dict(), emb.config, layout=layout), str(out / "model.safetensors"))
+    sd = CONVERTER.weights_to_hf(emb.encoder.state_dict(), emb.config, layout=layout)
+    save_file(sd, str(out / "model.safetensors"))
     _copy_tokenizer(emb.source_dir, out)
     _write_st_modules(emb.parts(), out, "sentence_transformers.models.Transformer")
     return out

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from moembed.errors import MoembedError
+from moembed.errors import MoembedError, config_error
 from moembed.model.config import EncoderConfig, MoEConfig
 
 Layout = Literal["transformers", "published"]  # the config.json dialect written
@@ -58,8 +58,6 @@ def _get(cfg: dict, path: Path, key: str):
 
 def _config(path: Path, **fields) -> EncoderConfig:
     from pydantic import ValidationError
-
-    from moembed.errors import config_error
 
     try:
         return EncoderConfig(family="nomic", position="rotary", **fields)
@@ -285,7 +283,8 @@ def _rename(c: EncoderConfig, naming: Naming) -> dict[str, list[str]]:
             names[p + "mlp.output_bias"] = [q + "mlp.experts.bias"]
             continue
         for n in ps:
-            names[p + f"mlp.fc1.{n}"] = [q + f"mlp.fc11.{n}", q + f"mlp.fc12.{n}"] if c.mlp == "swiglu" else [q + f"mlp.fc1.{n}"]
+            swiglu = c.mlp == "swiglu"  # up (fc11) and gate (fc12) rows, in moembed's SwiGLU fc1 order
+            names[p + f"mlp.fc1.{n}"] = [q + f"mlp.fc11.{n}", q + f"mlp.fc12.{n}"] if swiglu else [q + f"mlp.fc1.{n}"]
             names[p + f"mlp.fc2.{n}"] = [q + f"mlp.fc2.{n}"]
     return names
 
