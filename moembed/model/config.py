@@ -29,7 +29,11 @@ class MoEConfig(_Strict):
     every: int = Field(2, ge=1)
     offset: int = Field(1, ge=0)
     layers: list[int] | None = None
-    renormalize: bool = True  # renormalise the top-k gate weights to sum to 1
+    renormalize: bool = True  # renormalise the top-k gate weights to sum to 1 (off: the softmax probabilities as is)
+    # Biases of the experts' own linear layers (None: as EncoderConfig.bias), and one output bias of width d added
+    # once after the gate-weighted sum, shared by all experts (the published nomic-embed-text-v2-moe layout).
+    expert_bias: bool | None = None
+    output_bias: bool = False
     capacity_factor: float | None = Field(None, gt=0)  # None: dropless
     router_jitter: float = Field(0.0, ge=0)
 

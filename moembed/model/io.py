@@ -132,7 +132,10 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
             prompts = _read_json(path / "config_sentence_transformers.json").get("prompts") or {}
     family = converter_for(cfg, path)
     config = family.config_from_hf(cfg, path)
-    sd = family.weights_from_hf(_read_weights(path), config)
+    try:
+        sd = family.weights_from_hf(_read_weights(path), config)
+    except MoembedError as e:  # a tensor that does not fit the config: name the directory it came from
+        raise MoembedError(f"{path}: {e}") from None
     tok = TextTokenizer.from_dir(path, max_length or st_max or config.max_position)
     return ModelParts(config, sd, tok, pooling=pooling, normalize=normalize, prompts=prompts, name=path.name,
                       source_dir=path, weights_path=path)

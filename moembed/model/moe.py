@@ -1,7 +1,11 @@
 """Sparse Mixture-of-Experts MLP block (nomic-embed-v2 §3.2; Shazeer et al. 2017; Fedus et al. 2022).
 
     router: h = x W_r  (no bias)  →  p = softmax(h)  →  the top-k experts of each token, gates g = p[top-k]
-    (renormalised to sum to 1 when `renormalize`)  →  y = Σ_j g_j · Expert_{e_j}(x)
+    (renormalised to sum to 1 when `renormalize`)  →  y = Σ_j g_j · Expert_{e_j}(x)  (+ b when `output_bias`)
+
+With `renormalize` off the gates are the softmax probabilities themselves (summing to less than 1), and with
+`output_bias` one bias b of width d, shared by all experts, is added once after the weighted sum: the layout of
+the published nomic-embed-text-v2-moe (its experts have no biases of their own, `expert_bias` off).
 
 The block sees only real tokens: the encoder removes padding before the first layer (encoder.py), so the
 input is the packed (N, d) tensor and padding is never routed, never counted and never takes expert capacity.
@@ -311,7 +315,10 @@ class MoEBlock(nn.Module):
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.renormalize, self.capacity_factor, self.jitter = moe.renormalize, moe.capacity_factor, moe.router_jitter
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, config.hidden_size, config.intermediate_size, config.mlp, config.bias)
+        expert_bias = config.bias if moe.expert_bias is None else moe.expert_bias
+        self.experts = Experts(moe.num_experts, config.hidden_size, config.intermediate_size, config.mlp, expert_bias)
+        # Shared bias after combination (`MoEConfig.output_bias`); zero-initialised as the other biases.
+        self.output_bias = nn.Parameter(torch.zeros(config.hidden_size)) if moe.output_bias else None
         self.dispatch_mode: Dispatch = dispatch_mode
 
     # ---- the four steps ----------------------------------------------------------------------------------------
@@ -385,6 +392,8 @@ class MoEBlock(nn.Module):
         else:
             d = self.dispatch(x, r.experts)
             out = self.combine(self.compute(d), d, r.gates, x.shape[0])
+        if self.output_bias is not None:  # once per token, not weighted by the gates
+            out = out + self.output_bias.to(out.dtype)
         return out.to(x.dtype), r.logits, counts
 
     def _forward_naive(self, x: torch.Tensor, r: Routing) -> torch.Tensor:

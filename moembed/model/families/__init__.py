@@ -9,11 +9,12 @@ from pathlib import Path
 
 from moembed.errors import MoembedError
 from moembed.model.config import EncoderConfig
-from moembed.model.families import bert
+from moembed.model.families import bert, nomic_bert
 from moembed.model.families.base import Converter
 
 FAMILIES: dict[str, Converter] = {
     bert.CONVERTER.model_type: bert.CONVERTER,
+    nomic_bert.CONVERTER.model_type: nomic_bert.CONVERTER,
 }
 
 
