@@ -9,11 +9,13 @@ from pathlib import Path
 
 from moembed.errors import MoembedError
 from moembed.model.config import EncoderConfig
-from moembed.model.families import bert
+from moembed.model.families import bert, roberta
 from moembed.model.families.base import Converter
 
 FAMILIES: dict[str, Converter] = {
     bert.CONVERTER.model_type: bert.CONVERTER,
+    roberta.ROBERTA.model_type: roberta.ROBERTA,
+    roberta.XLM_ROBERTA.model_type: roberta.XLM_ROBERTA,
 }
 
 
@@ -30,5 +32,9 @@ def converter_for(cfg: dict, path: Path) -> Converter:
 
 
 def exporter_for(config: EncoderConfig) -> Converter | None:
-    """The first family whose Hugging Face format holds an encoder of `config` (None: moembed's own format only)."""
+    """The family whose Hugging Face format holds an encoder of `config`: the one it was read from when that one
+    can (`config.hf_model_type`), else the first that can (None: moembed's own format only)."""
+    own = FAMILIES.get(config.hf_model_type or "")
+    if own is not None and own.can_export(config):
+        return own
     return next((c for c in FAMILIES.values() if c.can_export(config)), None)

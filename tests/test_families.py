@@ -1,0 +1,165 @@
+"""Model families against transformers' own classes: for BERT, RoBERTa and XLM-RoBERTa, a tiny random model of the
+real class saved with `save_pretrained` is read by `Embedder.load`; hidden states, mean-pooled embeddings and the
+upcycled MoE model are compared with transformers, and sentence-transformers wrappers keep their settings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from moembed.errors import MoembedError
+from moembed.model.embedder import Embedder
+
+FAMILIES = ["bert", "roberta", "xlm-roberta"]
+TEXTS = ["a cat sat on the mat", "the quick brown fox jumps over the lazy dog, twice", "", "x"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz,."
+
+
+def tiny_unigram(out) -> None:
+    """An XLM-R-style Unigram tokenizer (<s>=0, <pad>=1, </s>=2, <unk>=3) over letters and a few words."""
+    from moembed.model.convert.unigram_tokenizer import xlmr_unigram_tokenizer
+
+    words = ["▁the", "▁a", "▁cat", "▁sat", "▁on", "▁mat", "▁fox", "▁dog", "▁over"]
+    pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    pieces += [(w, -2.0) for w in words] + [(c, -4.0) for c in LETTERS] + [("<mask>", 0.0)]
+    tok = xlmr_unigram_tokenizer(pieces, {0x9: (0x20,)}, bos=0, eos=2, pad=1, unk=3, mask=len(pieces) - 1)
+    tok.save(str(out / "tokenizer.json"))
+    special = {"bos_token": "<s>", "cls_token": "<s>", "eos_token": "</s>", "sep_token": "</s>",
+               "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 64, **special}))
+    (out / "special_tokens_map.json").write_text(json.dumps(special))
+
+
+def save_tiny(family: str, out, minilm_path, seed: int = 0):
+    """A tiny random model of transformers' class for `family`, saved with save_pretrained, plus a tokenizer."""
+    import transformers as tf
+
+    cls = {"bert": (tf.BertConfig, tf.BertModel), "roberta": (tf.RobertaConfig, tf.RobertaModel),
+           "xlm-roberta": (tf.XLMRobertaConfig, tf.XLMRobertaModel)}[family]
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if family == "bert":  # the packaged MiniLM's WordPiece tokenizer
+        cfg = cls[0](vocab_size=30522, max_position_embeddings=64, **shape)
+    else:  # RoBERTa's conventions: pad 1, positions from pad + 1 (66 rows = 64 usable), one token type, eps 1e-5
+        cfg = cls[0](vocab_size=64, max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5,
+                     pad_token_id=1, bos_token_id=0, eos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    model = cls[1](cfg).eval()
+    with torch.no_grad():  # LayerNorms and biases away from their 1/0 init, so a dropped one shows
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    if family == "bert":
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+            if (minilm_path / f).exists():
+                shutil.copy(minilm_path / f, out / f)
+    else:
+        tiny_unigram(out)
+    return model
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny(request, tmp_path, minilm_path):
+    path = tmp_path / request.param
+    model = save_tiny(request.param, path, minilm_path)
+    return request.param, path, model
+
+
+def batch(emb: Embedder, texts: list[str]) -> dict[str, torch.Tensor]:
+    """moembed's own tokenisation, right-padded with the tokenizer's pad id (transformers' RoBERTa reads it)."""
+    enc = emb.tokenizer.tokenizer.encode_batch(texts)
+    T = max(len(e.ids) for e in enc)
+    ids = torch.full((len(texts), T), emb.tokenizer.pad_id)
+    mask = torch.zeros(len(texts), T, dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, :len(e.ids)], mask[i, :len(e.ids)] = torch.tensor(e.ids), 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def reference_mean(model, b) -> np.ndarray:
+    with torch.no_grad():
+        h = model(**b).last_hidden_state  # (B, T, d)
+    m = b["attention_mask"].unsqueeze(-1).float()  # (B, T, 1)
+    return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).numpy()
+
+
+def test_config_follows_the_family(tiny):
+    family, path, model = tiny
+    c = Embedder.load(path).config
+    assert c.hf_model_type == family and c.vocab_size == model.config.vocab_size
+    assert c.layer_norm_eps == model.config.layer_norm_eps and c.type_vocab_size == model.config.type_vocab_size
+    # RoBERTa's table of 66 rows starts at padding_idx + 1 = 2: 64 usable positions
+    assert c.max_position == 64 and c.pad_token_id == model.config.pad_token_id
+
+
+def test_hidden_states_equal_transformers(tiny):
+    family, path, model = tiny
+    emb = Embedder.load(path)
+    b = batch(emb, TEXTS)
+    assert b["attention_mask"].sum(1).tolist()[2] == 2 and b["input_ids"].shape[1] > 10  # padding is exercised
+    with torch.no_grad():
+        want = model(**b).last_hidden_state
+        got = emb.encoder(b["input_ids"], b["attention_mask"]).last_hidden_state
+    mask = b["attention_mask"].bool()
+    assert (want[mask] - got[mask]).abs().max().item() < 1e-5
+
+
+def test_mean_pooled_embeddings_equal_transformers(tiny):
+    family, path, model = tiny
+    emb = Embedder.load(path)
+    emb.pooling, emb.normalize = "mean", True
+    cos = (emb.encode(TEXTS) * reference_mean(model, batch(emb, TEXTS))).sum(1)
+    assert cos.min() >= 0.99999
+
+
+def test_upcycling_reproduces_the_dense_embeddings(tiny):
+    from moembed.model.convert.upcycle import upcycle
+
+    family, path, _ = tiny
+    dense = Embedder.load(path)
+    moe = upcycle(dense, num_experts=4, top_k=2, every=2)
+    assert moe.config.moe_layers() == [1] and moe.config.hf_model_type == family
+    np.testing.assert_allclose(moe.encode(TEXTS), dense.encode(TEXTS), atol=1e-5)
+
+
+def wrap_sentence_transformers(path, pooling: str, prompts: dict[str, str]) -> None:
+    """modules.json (Transformer → Pooling → Normalize), a max length and prompts around a Hugging Face directory."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "2_Normalize").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean"}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 24, "do_lower_case": False}))
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_sentence_transformers_wrapper_keeps_pooling_and_prompts(tiny, pooling):
+    from sentence_transformers import SentenceTransformer
+
+    family, path, _ = tiny
+    wrap_sentence_transformers(path, pooling, {"search_query": "query: "})
+    emb = Embedder.load(path)
+    assert (emb.pooling, emb.normalize, emb.max_length) == (pooling, True, 24)
+    assert emb.prompts["search_query"] == "query: "
+    st = SentenceTransformer(str(path), device="cpu")
+    long = ["the cat " * 40]  # truncated at 24 tokens by both
+    want = st.encode(TEXTS + long, prompt_name="search_query")
+    np.testing.assert_allclose(emb.encode(TEXTS + long, prompt="search_query"), want, atol=1e-5)
+
+
+def test_positions_table_smaller_than_the_offset(tmp_path, minilm_path):
+    save_tiny("roberta", tmp_path, minilm_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2}))
+    with pytest.raises(MoembedError, match="config.json: max_position_embeddings 2 leaves no positions"):
+        Embedder.load(tmp_path)
