@@ -163,3 +163,51 @@ def test_positions_table_smaller_than_the_offset(tmp_path, minilm_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2}))
     with pytest.raises(MoembedError, match="config.json: max_position_embeddings 2 leaves no positions"):
         Embedder.load(tmp_path)
+
+
+# ---- write-back: `moembed export MODEL --format huggingface` ----------------------------------------------------
+
+
+def cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "moembed.cli.main", *map(str, args)], capture_output=True, text=True)
+
+
+def test_export_huggingface_loads_without_moembed(tiny, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    from moembed.model.io import export_huggingface
+
+    family, path, model = tiny
+    emb = Embedder.load(path)
+    assert export_huggingface(emb, tmp_path / "hf") == family
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == family and cfg["max_position_embeddings"] == model.config.max_position_embeddings
+    back = AutoModel.from_pretrained(tmp_path / "hf").eval()
+    assert type(back) is type(model)
+    b = batch(emb, TEXTS)
+    with torch.no_grad():
+        want, got = model(**b).last_hidden_state, back(**b).last_hidden_state
+    mask = b["attention_mask"].bool()
+    assert (want[mask] - got[mask]).abs().max().item() < 1e-5
+    st = SentenceTransformer(str(tmp_path / "hf"), device="cpu")  # the tiny source's CLS pooling, no normalisation
+    np.testing.assert_allclose(st.encode(TEXTS), emb.encode(TEXTS), atol=1e-5)
+    again = Embedder.load(tmp_path / "hf")
+    assert again.config == emb.config and again.pooling == emb.pooling
+    np.testing.assert_allclose(again.encode(TEXTS), emb.encode(TEXTS), atol=1e-6)
+
+
+def test_export_huggingface_cli_and_moe_refusal(tmp_path, minilm_path):
+    from moembed.model.convert.upcycle import upcycle
+
+    save_tiny("xlm-roberta", tmp_path / "src", minilm_path)
+    r = cli("export", tmp_path / "src", "--format", "huggingface", "--out", tmp_path / "hf")
+    assert r.returncode == 0 and "huggingface xlm-roberta" in r.stderr, r.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["XLMRobertaModel"]
+    upcycle(Embedder.load(tmp_path / "src"), num_experts=4, top_k=2, every=2).save(tmp_path / "moe")
+    r = cli("export", tmp_path / "moe", "--format", "huggingface", "--out", tmp_path / "moe-hf")
+    assert r.returncode == 1 and "has no Hugging Face layout (MoE layers [2])" in r.stderr, r.stderr
+    assert "--format sentence-transformers" in r.stderr and not (tmp_path / "moe-hf").exists()

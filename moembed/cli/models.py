@@ -75,19 +75,22 @@ def _probe(emb, path: Path, plain: bool) -> None:
 
 def export(
     model: str = typer.Argument(..., help="model directory"),
-    format: str = typer.Option("sentence-transformers", "--format", help="sentence-transformers | moembed"),
+    format: str = typer.Option("sentence-transformers", "--format",
+                               help="sentence-transformers | huggingface (the family's own layout) | moembed"),
     out: Path = typer.Option(..., "--out", help="output directory"),
 ) -> None:
     """Convert a model to another format."""
     from moembed.errors import MoembedError
     from moembed.model.embedder import Embedder
-    from moembed.model.io import export_sentence_transformers
+    from moembed.model.io import export_huggingface, export_sentence_transformers
 
+    if format not in ("sentence-transformers", "huggingface", "moembed"):
+        raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers, huggingface or moembed")
     emb = Embedder.load(model)
     if format == "sentence-transformers":
         export_sentence_transformers(emb, out)
-    elif format == "moembed":
-        emb.save(out)
+    elif format == "huggingface":
+        format = f"huggingface {export_huggingface(emb, out)}"
     else:
-        raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers or moembed")
+        emb.save(out)
     typer.echo(f"moembed: wrote {format} model to {out}", err=True)
