@@ -211,3 +211,34 @@ def test_export_huggingface_cli_and_moe_refusal(tmp_path, minilm_path):
     r = cli("export", tmp_path / "moe", "--format", "huggingface", "--out", tmp_path / "moe-hf")
     assert r.returncode == 1 and "has no Hugging Face layout (MoE layers [2])" in r.stderr, r.stderr
     assert "--format sentence-transformers" in r.stderr and not (tmp_path / "moe-hf").exists()
+
+
+def info_rows(path) -> dict[str, str]:
+    r = cli("info", path)
+    assert r.returncode == 0, r.stderr
+    return dict(line.split("  ", 1) for line in r.stdout.splitlines())
+
+
+def test_info_shows_family_positions_vocabulary_and_parameters(tmp_path, minilm_path):
+    from moembed.model.convert.upcycle import upcycle
+
+    model = save_tiny("xlm-roberta", tmp_path / "src", minilm_path)
+    rows = {k.strip(): v.strip() for k, v in info_rows(tmp_path / "src").items()}
+    assert rows["family"].startswith("xlm-roberta (bert-style layers, gelu MLP)")
+    assert rows["positions"] == "absolute, 64 learned" and rows["vocabulary"] == "64"
+    n = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("pooler"))  # moembed reads no pooler
+    n -= 2 * 32  # the 2 position rows before padding_idx + 1 are not kept
+    assert rows["parameters"] == f"{n:,} total, {n:,} active per token"
+    dense = Embedder.load(tmp_path / "src")
+    upcycle(dense, num_experts=4, top_k=2, every=2).save(tmp_path / "moe")
+    rows = {k.strip(): v.strip() for k, v in info_rows(tmp_path / "moe").items()}
+    mlp = 2 * 32 * 64 + 64 + 32  # fc1 + fc2 weights and biases of one expert
+    total = n + 3 * mlp + 4 * 32  # three more experts and a 4-way router (no bias)
+    assert rows["parameters"] == f"{total:,} total, {total - 2 * mlp:,} active per token"
+
+
+def test_info_rotary_positions(make_tiny, tmp_path):
+    make_tiny("nomic").save(tmp_path / "m")
+    rows = {k.strip(): v.strip() for k, v in info_rows(tmp_path / "m").items()}
+    assert rows["family"].startswith("moembed (nomic-style layers, swiglu MLP)")
+    assert rows["positions"] == "rotary, base 10000, 64 trained, Dynamic NTK alpha 2 beyond"
