@@ -242,3 +242,30 @@ def test_info_rotary_positions(make_tiny, tmp_path):
     rows = {k.strip(): v.strip() for k, v in info_rows(tmp_path / "m").items()}
     assert rows["family"].startswith("moembed (nomic-style layers, swiglu MLP)")
     assert rows["positions"] == "rotary, base 10000, 64 trained, Dynamic NTK alpha 2 beyond"
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_model_type_names_file_type_and_families(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deberta-v2"}))
+    with pytest.raises(MoembedError) as e:
+        Embedder.load(tmp_path)
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'config.json'}: model_type 'deberta-v2' is not supported; supported: ")
+    assert all(f in msg for f in FAMILIES)
+
+
+@pytest.mark.parametrize(("key", "value", "tensor", "got", "want"), [
+    ("hidden_size", 48, "embeddings.LayerNorm.bias", (32,), (48,)),  # the first tensor in the file
+    ("intermediate_size", 80, "encoder.layer.0.intermediate.dense.bias", (64,), (80,)),
+    ("max_position_embeddings", 34, "embeddings.position_embeddings.weight", (66, 32), (34, 32)),
+])
+def test_tensor_that_does_not_match_its_config(tmp_path, minilm_path, key, value, tensor, got, want):
+    save_tiny("roberta", tmp_path, minilm_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value, "num_attention_heads": 4}))
+    with pytest.raises(MoembedError) as e:
+        Embedder.load(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'model.safetensors'}: tensor {tensor!r} has shape {got}, but "
+                            f"{tmp_path / 'config.json'} implies {want}")

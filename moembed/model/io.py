@@ -132,10 +132,33 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
             prompts = _read_json(path / "config_sentence_transformers.json").get("prompts") or {}
     family = converter_for(cfg, path)
     config = family.config_from_hf(cfg, path)
-    sd = family.weights_from_hf(_read_weights(path), config)
+    raw = _read_weights(path)
+    _check_hf_shapes(raw, family, config, path)
+    sd = family.weights_from_hf(raw, config)
     tok = TextTokenizer.from_dir(path, max_length or st_max or config.max_position)
     return ModelParts(config, sd, tok, pooling=pooling, normalize=normalize, prompts=prompts, name=path.name,
                       source_dir=path, weights_path=path)
+
+
+def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig, path: Path) -> None:
+    """The first checkpoint tensor (file order) whose shape differs from what config.json implies raises, naming
+    the tensor and both shapes. The expected shapes are the family's write-back of an encoder built on the meta
+    device (no memory); a config the family cannot write back is left to `Embedder.from_parts`' check."""
+    from moembed.model.encoder import Encoder
+
+    if not family.can_export(config):
+        return
+    with torch.device("meta"):
+        expected = family.weights_to_hf(Encoder(config).state_dict(), config)
+    for name, tensor in raw.items():
+        key = name.replace(".gamma", ".weight").replace(".beta", ".bias")  # older BERT LayerNorm names
+        want = expected.get(key)
+        if want is None:  # under a task head's prefix (`bert.`, `roberta.`, ...)
+            want = next((v for k, v in expected.items() if key.endswith("." + k)), None)
+        if want is not None and tuple(want.shape) != tuple(tensor.shape):
+            file = next((path / f for f in ("model.safetensors", "pytorch_model.bin") if (path / f).exists()), path)
+            raise MoembedError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, but {path / 'config.json'} "
+                               f"implies {tuple(want.shape)}")
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
