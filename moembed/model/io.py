@@ -148,8 +148,11 @@ def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig
 
     if not family.can_export(config):
         return
-    with torch.device("meta"):
-        expected = family.weights_to_hf(Encoder(config).state_dict(), config)
+    try:
+        with torch.device("meta"):
+            expected = family.weights_to_hf(Encoder(config).state_dict(), config)
+    except (NotImplementedError, RuntimeError):  # a write-back that needs real values: leave it to from_parts
+        return
     for name, tensor in raw.items():
         key = name.replace(".gamma", ".weight").replace(".beta", ".bias")  # older BERT LayerNorm names
         want = expected.get(key)
