@@ -31,10 +31,13 @@ def converter_for(cfg: dict, path: Path) -> Converter:
     return FAMILIES[model_type]
 
 
+DEFAULT_EXPORT = "bert"  # the layout of encoders built by moembed itself (no `hf_model_type`)
+
+
 def exporter_for(config: EncoderConfig) -> Converter | None:
-    """The family whose Hugging Face format holds an encoder of `config`: the one it was read from when that one
-    can (`config.hf_model_type`), else the first that can (None: moembed's own format only)."""
-    own = FAMILIES.get(config.hf_model_type or "")
+    """The family whose Hugging Face format holds an encoder of `config`: the one it was read from (else BERT)
+    when that one can, else the first that can (None: moembed's own format only)."""
+    own = FAMILIES.get(config.hf_model_type or DEFAULT_EXPORT)
     if own is not None and own.can_export(config):
         return own
     return next((c for c in FAMILIES.values() if c.can_export(config)), None)
