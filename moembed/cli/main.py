@@ -12,7 +12,7 @@ import typer
 from moembed.errors import MoembedError
 
 # One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
-COMMANDS = ["encode", "models", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
+COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
 
 app = typer.Typer(
     name="moembed",

@@ -22,6 +22,14 @@ def count_parameters(emb) -> tuple[int, int]:
     return total, total - expert + expert * moe.top_k // moe.num_experts
 
 
+def describe_positions(c) -> str:
+    """Absolute (a learned table) or rotary (its base, and Dynamic NTK beyond the trained length)."""
+    if c.position == "absolute":
+        return f"absolute, {c.max_position} learned"
+    ntk = f", Dynamic NTK alpha {c.ntk_alpha:g} beyond" if c.dynamic_ntk else ""
+    return f"rotary, base {c.rope_base:g}, {c.max_position} trained{ntk}"
+
+
 def info(
     model: str = typer.Argument(..., help="model directory"),
     probe: Path = typer.Option(None, "--probe", help="texts (one JSON string per line) to measure MoE expert load on"),
@@ -35,7 +43,8 @@ def info(
     total, active = count_parameters(emb)
     rows = [
         ("name", emb.name),
-        ("family", f"{c.family} ({c.position} positions, {c.mlp} MLP)"),
+        ("family", f"{c.hf_model_type or 'moembed'} ({c.family}-style layers, {c.mlp} MLP)"),
+        ("positions", describe_positions(c)),
         ("layers x hidden", f"{c.num_layers} x {c.hidden_size} ({c.num_heads} heads, MLP {c.intermediate_size})"),
         ("vocabulary", str(c.vocab_size)),
         ("parameters", f"{total:,} total, {active:,} active per token"),
@@ -75,19 +84,22 @@ def _probe(emb, path: Path, plain: bool) -> None:
 
 def export(
     model: str = typer.Argument(..., help="model directory"),
-    format: str = typer.Option("sentence-transformers", "--format", help="sentence-transformers | moembed"),
+    format: str = typer.Option("sentence-transformers", "--format",
+                               help="sentence-transformers | huggingface (the family's own layout) | moembed"),
     out: Path = typer.Option(..., "--out", help="output directory"),
 ) -> None:
     """Convert a model to another format."""
     from moembed.errors import MoembedError
     from moembed.model.embedder import Embedder
-    from moembed.model.io import export_sentence_transformers
+    from moembed.model.io import export_huggingface, export_sentence_transformers
 
+    if format not in ("sentence-transformers", "huggingface", "moembed"):
+        raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers, huggingface or moembed")
     emb = Embedder.load(model)
     if format == "sentence-transformers":
         export_sentence_transformers(emb, out)
-    elif format == "moembed":
-        emb.save(out)
+    elif format == "huggingface":
+        format = f"huggingface {export_huggingface(emb, out)}"
     else:
-        raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers or moembed")
+        emb.save(out)
     typer.echo(f"moembed: wrote {format} model to {out}", err=True)

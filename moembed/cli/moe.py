@@ -12,7 +12,7 @@ def register(app: typer.Typer) -> None:
 
 
 def upcycle(
-    model: str = typer.Argument(..., help="dense moembed, Hugging Face BERT or sentence-transformers directory"),
+    model: str = typer.Argument(..., help="dense moembed, Hugging Face (bert, roberta, xlm-roberta) or sentence-transformers directory"),
     out: Path = typer.Option(..., "--out", help="output moembed directory"),
     experts: int = typer.Option(8, "--experts", help="experts per MoE layer"),
     top_k: int = typer.Option(2, "--top-k", help="experts per token (1: Switch routing)"),

@@ -92,6 +92,9 @@ class EncoderConfig(_Strict):
 
     moe: MoEConfig | None = None
     move: MoVEConfig | None = None  # when set, vocab_size is |V_l| and the embedding layer is MoVE
+    # The Hugging Face `model_type` the weights were read from (`moembed.model.families`); export writes the
+    # encoder back in that family's layout when it can. None: a model built by moembed.
+    hf_model_type: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "EncoderConfig":

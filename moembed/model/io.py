@@ -132,13 +132,39 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
             prompts = _read_json(path / "config_sentence_transformers.json").get("prompts") or {}
     family = converter_for(cfg, path)
     config = family.config_from_hf(cfg, path)
+    raw = _read_weights(path)
+    _check_hf_shapes(raw, family, config, path)
     try:
-        sd = family.weights_from_hf(_read_weights(path), config)
+        sd = family.weights_from_hf(raw, config)
     except MoembedError as e:  # a tensor that does not fit the config: name the directory it came from
         raise MoembedError(f"{path}: {e}") from None
     tok = TextTokenizer.from_dir(path, max_length or st_max or config.max_position)
     return ModelParts(config, sd, tok, pooling=pooling, normalize=normalize, prompts=prompts, name=path.name,
                       source_dir=path, weights_path=path)
+
+
+def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig, path: Path) -> None:
+    """The first checkpoint tensor (file order) whose shape differs from what config.json implies raises, naming
+    the tensor and both shapes. The expected shapes are the family's write-back of an encoder built on the meta
+    device (no memory); a config the family cannot write back is left to `Embedder.from_parts`' check."""
+    from moembed.model.encoder import Encoder
+
+    if not family.can_export(config):
+        return
+    try:
+        with torch.device("meta"):
+            expected = family.weights_to_hf(Encoder(config).state_dict(), config)
+    except (NotImplementedError, RuntimeError):  # a write-back that needs real values: leave it to from_parts
+        return
+    for name, tensor in raw.items():
+        key = name.replace(".gamma", ".weight").replace(".beta", ".bias")  # older BERT LayerNorm names
+        want = expected.get(key)
+        if want is None:  # under a task head's prefix (`bert.`, `roberta.`, ...)
+            want = next((v for k, v in expected.items() if key.endswith("." + k)), None)
+        if want is not None and tuple(want.shape) != tuple(tensor.shape):
+            file = next((path / f for f in ("model.safetensors", "pytorch_model.bin") if (path / f).exists()), path)
+            raise MoembedError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, but {path / 'config.json'} "
+                               f"implies {tuple(want.shape)}")
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -179,10 +205,10 @@ def save_parts(parts: ModelParts, path: str | Path) -> None:
 def export_sentence_transformers(model, path: str | Path) -> None:
     """Write a directory that `SentenceTransformer(path)` loads, from `ModelParts` or a model with `parts()`.
 
-    An encoder that a family's Hugging Face format holds (dense BERT-style: `moembed.model.families`) becomes a
-    standard Transformer module. Other encoders (MoE layers, rotary positions, SwiGLU, MoVE) get moembed's own
-    first module (`st_module.MoembedEncoder`, loaded with `trust_remote_code=True`) over the moembed files in the
-    directory root; Pooling/Normalize are standard.
+    An encoder that a family's Hugging Face format holds (`moembed.model.families`; the family it was read from
+    first) becomes a standard Transformer module in that layout. Other encoders (MoE layers, rotary positions,
+    SwiGLU, MoVE) get moembed's own first module (`st_module.MoembedEncoder`, loaded with `trust_remote_code=True`)
+    over the moembed files in the directory root; Pooling/Normalize are standard.
     """
     parts = model if isinstance(model, ModelParts) else model.parts()
     family = exporter_for(parts.config)
@@ -191,15 +217,42 @@ def export_sentence_transformers(model, path: str | Path) -> None:
             write_parts(parts, tmp)
             _write_st_modules(parts, tmp, ST_MODULE)
             return
-        (tmp / "config.json").write_text(json.dumps(family.hf_config(parts.config), indent=2) + "\n")
-        sd = family.weights_to_hf({k: v.detach().cpu() for k, v in parts.state_dict.items()}, parts.config)
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _copy_tokenizer(parts, tmp)
-        if not (tmp / "tokenizer_config.json").exists():
-            (tmp / "tokenizer_config.json").write_text(
-                json.dumps({"tokenizer_class": family.tokenizer_class, "model_max_length": parts.tokenizer.max_length})
-            )
-        _write_st_modules(parts, tmp, "sentence_transformers.models.Transformer")
+        _write_hf(parts, family, tmp)
+
+
+def export_huggingface(model, path: str | Path) -> str:
+    """Write the encoder in its family's own Hugging Face layout (`AutoModel.from_pretrained(path)` loads it without
+    moembed), wrapped with the sentence-transformers files that keep its pooling, normalisation and prompts.
+    Returns the family's model_type. An encoder no family can hold raises, saying what stands in the way."""
+    parts = model if isinstance(model, ModelParts) else model.parts()
+    family = exporter_for(parts.config)
+    if family is None:
+        raise MoembedError(f"export: {parts.name} has no Hugging Face layout ({_why_not_exportable(parts.config)}); "
+                           "--format sentence-transformers writes it with moembed's own module")
+    with atomic_dir(Path(path)) as tmp:
+        _write_hf(parts, family, tmp)
+    return family.model_type
+
+
+def _why_not_exportable(c: EncoderConfig) -> str:
+    reasons = [why for bad, why in ((c.moe is not None, f"MoE layers {[i + 1 for i in c.moe_layers()]}"),
+                                    (c.move is not None, "a MoVE embedding layer"),
+                                    (c.position != "absolute", f"{c.position} positions"),
+                                    (c.mlp != "gelu", f"{c.mlp} MLPs")) if bad]
+    return ", ".join(reasons) or "no family holds this configuration"
+
+
+def _write_hf(parts: ModelParts, family, tmp: Path) -> None:
+    """config.json and model.safetensors in `family`'s names, the tokenizer, and the sentence-transformers files."""
+    (tmp / "config.json").write_text(json.dumps(family.hf_config(parts.config), indent=2) + "\n")
+    sd = family.weights_to_hf({k: v.detach().cpu() for k, v in parts.state_dict.items()}, parts.config)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _copy_tokenizer(parts, tmp)
+    if not (tmp / "tokenizer_config.json").exists():
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": family.tokenizer_class, "model_max_length": parts.tokenizer.max_length})
+        )
+    _write_st_modules(parts, tmp, "sentence_transformers.models.Transformer")
 
 
 def _write_st_modules(parts: ModelParts, tmp: Path, first_type: str) -> None:

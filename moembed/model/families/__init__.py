@@ -9,11 +9,13 @@ from pathlib import Path
 
 from moembed.errors import MoembedError
 from moembed.model.config import EncoderConfig
-from moembed.model.families import bert, nomic_bert
+from moembed.model.families import bert, nomic_bert, roberta
 from moembed.model.families.base import Converter
 
 FAMILIES: dict[str, Converter] = {
     bert.CONVERTER.model_type: bert.CONVERTER,
+    roberta.ROBERTA.model_type: roberta.ROBERTA,
+    roberta.XLM_ROBERTA.model_type: roberta.XLM_ROBERTA,
     nomic_bert.CONVERTER.model_type: nomic_bert.CONVERTER,
 }
 
@@ -30,6 +32,13 @@ def converter_for(cfg: dict, path: Path) -> Converter:
     return FAMILIES[model_type]
 
 
+DEFAULT_EXPORT = "bert"  # the layout of encoders built by moembed itself (no `hf_model_type`)
+
+
 def exporter_for(config: EncoderConfig) -> Converter | None:
-    """The first family whose Hugging Face format holds an encoder of `config` (None: moembed's own format only)."""
+    """The family whose Hugging Face format holds an encoder of `config`: the one it was read from (else BERT)
+    when that one can, else the first that can (None: moembed's own format only)."""
+    own = FAMILIES.get(config.hf_model_type or DEFAULT_EXPORT)
+    if own is not None and own.can_export(config):
+        return own
     return next((c for c in FAMILIES.values() if c.can_export(config)), None)

@@ -1,8 +1,11 @@
 """The interface of a model-family converter: Hugging Face config and weights ↔ moembed's `EncoderConfig` and names.
 
 One converter per Hugging Face `model_type`, registered in `moembed.model.families`. `config_from_hf` and
-`weights_from_hf` load a checkpoint of that type; `can_export`, `hf_config` and `weights_to_hf` write a moembed
-encoder back in that format (sentence-transformers export), for the configs the family can hold.
+`weights_from_hf` load a checkpoint of that type (`config_from_hf` records the type in `EncoderConfig.hf_model_type`,
+so export picks the same family back); `can_export`, `hf_config` and `weights_to_hf` write a moembed encoder back
+in that format (`--format huggingface` and the sentence-transformers export), for the configs the family can hold.
+On load, `weights_to_hf` applied to an encoder built on the meta device gives the shapes a checkpoint's tensors
+must have, so it should work on meta tensors.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def _config(path: Path, **fields) -> EncoderConfig:
     from pydantic import ValidationError
 
     try:
-        return EncoderConfig(family="nomic", position="rotary", **fields)
+        return EncoderConfig(family="nomic", position="rotary", hf_model_type="nomic_bert", **fields)
     except ValidationError as e:
         raise config_error(e, str(path / "config.json")) from None
 
