@@ -1,0 +1,137 @@
+"""The words of the quickstart report: settings, the recipe's decisions, data tables, README and model card.
+
+`decisions(qs, stages)` gathers what the recipe chose for the user — split sizes, how many pairs consistency
+filtering kept per source, negatives per query, steps, learning rate — and the data-scale warning; the report and
+the model card state them.
+"""
+
+from __future__ import annotations
+
+from moembed.recipes.report import MOE_DATA_SCALE, base_label
+
+
+def decisions(qs, stages: dict) -> dict:
+    c, t = qs.cfg, qs.cfg.train
+    data, curate = stages.get("data", {}), stages.get("curate", {})
+    user = data.get("user")
+    sources = (curate.get("filter") or {}).get("sources", {})
+    trained = sum(curate.get("train_sources", {}).values())
+    seen = t.steps * t.batch_size
+    out = {
+        "split": ({"documents": user["documents"], "pairs": user["pairs"], "duplicates_dropped": user["duplicates"]}
+                  if user else {k: v for k, v in data.get("datasets", {}).items()}),
+        "kept_per_source": {s: {"pairs": v["pairs"], "kept": v["kept"]} for s, v in sorted(sources.items())},
+        "trained_per_source": curate.get("train_sources", {}),
+        "too_small_sources": curate.get("too_small", {}),
+        "negatives": {"mode": curate.get("negatives_mode"), "per_query": curate.get("negatives_per_query"),
+                      "mined": c.num_negatives, "margin": c.margin, "drawn_per_step": t.hard_negatives},
+        "steps": t.steps, "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps,
+        "processes": c.nproc, "training_pairs": trained, "examples_seen": seen,
+    }
+    if trained < MOE_DATA_SCALE:
+        out["warning"] = (
+            f"the data is too small for the MoE to be expected to help: {trained:,} training pairs "
+            f"({seen:,} examples seen in {t.steps} steps). nomic-embed-v2-moe §7.2 saw an MoE model underperform "
+            "its dense counterpart even with 100M contrastive pairs: MoE needs data scale. Read the MoE-vs-dense "
+            f"comparison as inconclusive below about {MOE_DATA_SCALE:,} pairs; the dense model is the safer choice.")
+    return out
+
+
+def _decision_lines(d: dict) -> str:
+    lines = []
+    split = d["split"]
+    if "documents" in split:
+        docs, pairs = split["documents"], split["pairs"]
+        lines.append(f"- split by document (no document in two splits): train {docs['train']} documents / "
+                     f"{pairs['train']} pairs (of {pairs['train_available']} available), dev {docs['dev']} / "
+                     f"{pairs['dev']}, test {docs['test']} / {pairs['test']}; {split['duplicates_dropped']} "
+                     "duplicate pairs dropped")
+    kept = d["kept_per_source"]
+    if kept:
+        lines.append("- consistency filtering kept: " + ", ".join(
+            f"{s} {v['kept']}/{v['pairs']} ({100 * v['kept'] / max(v['pairs'], 1):.0f}%)" for s, v in kept.items()))
+    lines.append("- trained on, per source (one source per batch): " + ", ".join(
+        f"{s} {n}" for s, n in d["trained_per_source"].items()))
+    if d["too_small_sources"]:
+        lines.append("- not trained on (fewer pairs than one batch): " + ", ".join(
+            f"{s} {n}" for s, n in d["too_small_sources"].items()))
+    n = d["negatives"]
+    lines.append(f"- negatives per query: {n['per_query']} on average ({n['mode']}: up to {n['mined']} mined by the "
+                 f"teacher, positive-aware margin {n['margin']}), {n['drawn_per_step']} drawn per query in each step")
+    lines.append(f"- {d['steps']} steps × batch {d['batch_size']} ({d['processes']} process(es)), learning rate "
+                 f"{d['lr']} with {d['warmup_steps']} warmup steps")
+    return "\n".join(lines)
+
+
+def settings(qs) -> str:
+    c, t = qs.cfg, qs.cfg.train
+    teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
+    return (
+        f"- base: {base_label(qs)[: -len(' (base)')]} ({qs.width} wide); MoE: every {c.every}nd MLP upcycled to "
+        f"{c.experts} experts, top-{c.top_k}, renormalised gates (nomic-embed-v2 §4.3)\n"
+        f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), {t.hard_negatives} mined hard "
+        f"negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims {qs.matryoshka_dims}, load-balancing "
+        f"α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with {t.warmup_steps} warmup steps and linear decay, "
+        f"max lengths {t.max_query_length}/{t.max_doc_length} tokens, bf16 autocast {t.bf16}\n"
+        f"- data curation: consistency filtering top-{c.filter_top_k} and positive-aware mining "
+        f"({c.num_negatives} negatives, margin {c.margin}) with {teacher} as teacher\n"
+    )
+
+
+def data_lines(stages: dict) -> str:
+    d = stages.get("data", {}).get("datasets", {})
+    f = (stages.get("curate", {}).get("filter") or {}).get("sources", {})
+    lines = ["| dataset | training pairs built | test queries / documents |", "|---|---|---|"]
+    for name, c in d.items():
+        test = c.get("test", {})
+        lines.append(f"| {name} | {c.get('train')} | {test.get('queries', '?')} / {test.get('documents', test.get('corpus', '?'))} |")
+    user = stages.get("data", {}).get("user")
+    if user:
+        lines += ["", "| input file | records | empty | duplicates | usable pairs |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['read']} | {v['empty']} | {v['duplicate']} | {v['usable']} |" for k, v in user["files"].items()]
+    lines += ["", "| source | pairs | kept by consistency filtering |", "|---|---|---|"]
+    for s, c in sorted(f.items()):
+        lines.append(f"| {s} | {c['pairs']} | {c['kept']} ({100 * c['kept'] / max(c['pairs'], 1):.0f}%) |")
+    return "\n".join(lines)
+
+
+def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_table) -> str:
+    secs = sum(v.get("seconds", 0) for v in stages.values())
+    warning = f"> **Warning:** {decisions['warning']}\n\n" if decisions.get("warning") else ""
+    held_out = ("your test split (documents never seen in training)" if qs.cfg.user_data
+                else "the held-out test sets (documents never seen in training)")
+    suite = ("## Built-in dev suite (what finetuning cost or gained elsewhere)\n\nMain score ×100 per task, full "
+             f"dimension, float32.\n\n{suite_table}\n\n") if suite_table else ""
+    return (
+        "# moembed quickstart report\n\n"
+        f"Mean nDCG@10 ×100 on {held_out}. Columns per test set are at full dimension in float32; `avg dN` "
+        "averages over test sets at Matryoshka dimension N; `avg int8` and `avg binary` at full dimension.\n\n"
+        f"{table}\n\n**{verdict_text}**\n\n" + warning +
+        "## What the recipe decided\n\n" + _decision_lines(decisions) + "\n\n" + suite +
+        "## Settings\n\n" + settings(qs) + f"\nTotal time of the stages: {secs / 60:.1f} minutes.\n\n"
+        "## Data\n\n" + data_lines(stages) + "\n\n"
+        "## Expert load of the finetuned MoE model (test documents)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n\n"
+        "## Plots\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n\n"
+        "## Files\n\n- `results.json`, `results.md`: every model × test set × dimension × precision\n"
+        "- `models/moe`, `models/dense`: moembed format; `models/moe-st`, `models/dense-st`: sentence-transformers format\n"
+    )
+
+
+def model_card(qs, table, summary, verdict_text, stages, load_lines, decisions) -> str:
+    m = summary["moe"]
+    base = base_label(qs)[: -len(" (base)")]
+    warning = f"\n\n**Warning:** {decisions['warning']}" if decisions.get("warning") else ""
+    return (
+        f"# {qs.base_name}-moe\n\nA sparse Mixture-of-Experts text-embedding model made by `moembed quickstart`: "
+        f"{base} upcycled to an MoE encoder and finetuned contrastively with mined hard negatives "
+        "(the Nomic Embed v2 recipe at laptop scale).\n\n"
+        "## Use\n\n```python\nfrom moembed import Embedder\nm = Embedder.load(\"models/moe\")\n"
+        "q = m.encode([\"how do plants make food\"], prompt=\"search_query\")\n"
+        "d = m.encode([\"Photosynthesis turns light into chemical energy.\"], prompt=\"search_document\")\n```\n\n"
+        "Prefixes: `search_query: `, `search_document: `, `classification: `, `clustering: `. Matryoshka dimensions "
+        f"{qs.matryoshka_dims} were trained. A sentence-transformers copy is in `../moe-st`: `SentenceTransformer(\"models/moe-st\", trust_remote_code=True)` (its encoder module is moembed's own, so moembed must be installed).\n\n"
+        "## Training\n\n" + settings(qs) + "\n" + _decision_lines(decisions) + "\n\n## Data\n\n" + data_lines(stages) +
+        f"\n\n## Scores (nDCG@10 ×100, held-out test sets)\n\n{table}\n\n"
+        f"Mean at full dimension: {100 * m['full']:.1f}. {verdict_text}{warning}\n\n"
+        "## Expert load (test documents)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n"
+    )
