@@ -195,3 +195,23 @@ def test_decisions_warn_when_the_data_is_too_small_for_moe(tmp_path):
         assert part in text, part
     stages["curate"]["train_sources"] = {"a": MOE_DATA_SCALE}
     assert "warning" not in decisions(qs, stages)
+
+
+def test_input_is_streamed_one_block_at_a_time(tmp_path, monkeypatch):
+    from moembed.data.sources import JsonlReader
+    from moembed.recipes.userdata import prepare_user_data
+
+    f = _write(tmp_path / "mine.jsonl", _pairs(200))
+    blocks = []
+    real = JsonlReader._read_block
+
+    def counted(self, start):
+        items, end = real(self, start)
+        blocks.append(len(items))
+        return items, end
+
+    monkeypatch.setattr(JsonlReader, "_FILE_ORDER_CHUNK", 32)
+    monkeypatch.setattr(JsonlReader, "_read_block", counted)
+    prepare_user_data(_cfg(tmp_path, [f]), tmp_path / "out")
+    # Two passes over 400 records in blocks of at most 32: never the whole file at once.
+    assert max(blocks) == 32 and sum(blocks) == 2 * 400

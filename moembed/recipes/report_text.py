@@ -26,6 +26,7 @@ def decisions(qs, stages: dict) -> dict:
         "negatives": {"mode": curate.get("negatives_mode"), "per_query": curate.get("negatives_per_query"),
                       "mined": c.num_negatives, "margin": c.margin, "drawn_per_step": t.hard_negatives},
         "steps": t.steps, "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps,
+        "pretrain": c.pretrain.model_dump() if c.pretrain else None, "sampler_alpha": c.sampler_alpha,
         "processes": c.nproc, "training_pairs": trained, "examples_seen": seen,
     }
     if trained < MOE_DATA_SCALE:
@@ -35,6 +36,44 @@ def decisions(qs, stages: dict) -> dict:
             "its dense counterpart even with 100M contrastive pairs: MoE needs data scale. Read the MoE-vs-dense "
             f"comparison as inconclusive below about {MOE_DATA_SCALE:,} pairs; the dense model is the safer choice.")
     return out
+
+
+def languages(summary: dict, test_sets: dict) -> str:
+    """Per language (monolingual test sets) and per language pair (cross-lingual ones): nDCG@10 ×100 of base, dense
+    and MoE at full dimension, with the finetuned models' change against the base, and what that says."""
+    groups: dict[str, list[str]] = {}
+    for name, t in test_sets.items():
+        key = t["query_lang"] if t["query_lang"] == t["doc_lang"] else f"{t['query_lang']}→{t['doc_lang']}"
+        groups.setdefault(key, []).append(name)
+
+    def mean(model: str, names: list[str]) -> float:
+        xs = [summary[model]["per_task"].get(n, float("nan")) for n in names]
+        return 100 * sum(xs) / len(xs)
+
+    lines = ["| language | test sets | base | dense | MoE | dense − base | MoE − base | MoE − dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    scores = {}
+    for key in sorted(groups, key=lambda k: ("→" in k, k)):
+        b, d, m = (mean(x, groups[key]) for x in ("base", "dense", "moe"))
+        scores[key] = (b, d, m)
+        lines.append(f"| {key} | {len(groups[key])} | {b:.1f} | {d:.1f} | {m:.1f} | {d - b:+.1f} | {m - b:+.1f} | {m - d:+.1f} |")
+    cross = [v for k, v in scores.items() if "→" in k]
+    said = []
+    if cross:
+        b, d, m = (sum(v[i] for v in cross) / len(cross) for i in range(3))
+        kept = "kept" if min(d, m) >= b - 1.0 else "NOT kept"
+        said.append(f"Cross-lingual retrieval ({len(cross)} language pairs): base {b:.1f}, dense {d:.1f} ({d - b:+.1f}), "
+                    f"MoE {m:.1f} ({m - b:+.1f}) — the base's cross-lingual retrieval is {kept} by finetuning "
+                    "(within 1 point or better counts as kept).")
+    if "en" in scores:
+        b, d, m = scores["en"]
+        said.append(f"English: base {b:.1f}, dense {d:.1f} ({d - b:+.1f}), MoE {m:.1f} ({m - b:+.1f}).")
+    wins = [k for k, (b, d, m) in scores.items() if m > d + 0.5]
+    losses = [k for k, (b, d, m) in scores.items() if m < d - 0.5]
+    said.append(f"The MoE model beats the dense control by more than 0.5 points in {len(wins)} of {len(scores)} "
+                f"languages / pairs ({', '.join(wins) or 'none'}) and is more than 0.5 points below it in "
+                f"{len(losses)} ({', '.join(losses) or 'none'}).")
+    return "\n".join(lines) + "\n\n" + " ".join(said)
 
 
 def _decision_lines(d: dict) -> str:
@@ -58,15 +97,24 @@ def _decision_lines(d: dict) -> str:
     n = d["negatives"]
     lines.append(f"- negatives per query: {n['per_query']} on average ({n['mode']}: up to {n['mined']} mined by the "
                  f"teacher, positive-aware margin {n['margin']}), {n['drawn_per_step']} drawn per query in each step")
-    lines.append(f"- {d['steps']} steps × batch {d['batch_size']} ({d['processes']} process(es)), learning rate "
-                 f"{d['lr']} with {d['warmup_steps']} warmup steps")
+    if d.get("pretrain"):
+        p = d["pretrain"]
+        lines.append(f"- pretraining: {p['steps']} steps × batch {p['batch_size']}, learning rate {p['lr']}")
+    lines.append(f"- {'finetuning: ' if d.get('pretrain') else ''}{d['steps']} steps × batch {d['batch_size']} "
+                 f"({d['processes']} process(es)), learning rate {d['lr']} with {d['warmup_steps']} warmup steps")
     return "\n".join(lines)
 
 
 def settings(qs) -> str:
     c, t = qs.cfg, qs.cfg.train
     teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
-    return (
+    pre = c.pretrain
+    stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
+              f"{pre.batch_size}, in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with "
+              f"{pre.warmup_steps} warmup steps, Matryoshka dims {qs.matryoshka_dims}; then stage 2:\n") if pre else ""
+    alpha = (f"- sources (one per language or language pair) sampled with p ∝ n^α, α = {c.sampler_alpha} "
+             "(nomic-embed-v2 Table 2)\n") if c.sampler_alpha else ""
+    return stage1 + alpha + (
         f"- base: {base_label(qs)[: -len(' (base)')]} ({qs.width} wide); MoE: every {c.every}nd MLP upcycled to "
         f"{c.experts} experts, top-{c.top_k}, renormalised gates (nomic-embed-v2 §4.3)\n"
         f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), {t.hard_negatives} mined hard "
@@ -95,7 +143,7 @@ def data_lines(stages: dict) -> str:
     return "\n".join(lines)
 
 
-def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_table) -> str:
+def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_table, language_text=None) -> str:
     secs = sum(v.get("seconds", 0) for v in stages.values())
     warning = f"> **Warning:** {decisions['warning']}\n\n" if decisions.get("warning") else ""
     held_out = ("your test split (documents never seen in training)" if qs.cfg.user_data
@@ -106,7 +154,9 @@ def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_
         "# moembed quickstart report\n\n"
         f"Mean nDCG@10 ×100 on {held_out}. Columns per test set are at full dimension in float32; `avg dN` "
         "averages over test sets at Matryoshka dimension N; `avg int8` and `avg binary` at full dimension.\n\n"
-        f"{table}\n\n**{verdict_text}**\n\n" + warning +
+        f"{table}\n\n**{verdict_text}**\n\n" + warning
+        + (f"## Per language and cross-lingual\n\nnDCG@10 ×100, full dimension, float32; a language pair "
+           f"x→y retrieves y documents for x queries.\n\n{language_text}\n\n" if language_text else "") +
         "## What the recipe decided\n\n" + _decision_lines(decisions) + "\n\n" + suite +
         "## Settings\n\n" + settings(qs) + f"\nTotal time of the stages: {secs / 60:.1f} minutes.\n\n"
         "## Data\n\n" + data_lines(stages) + "\n\n"
