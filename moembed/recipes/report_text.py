@@ -106,7 +106,10 @@ def _decision_lines(d: dict) -> str:
 
 
 def settings(qs) -> str:
+    import torch
+
     c, t = qs.cfg, qs.cfg.train
+    bf16 = "on" if t.bf16_on("cuda" if torch.cuda.is_available() else "cpu") else "off"
     teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
     pre = c.pretrain
     stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
@@ -120,7 +123,7 @@ def settings(qs) -> str:
         f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), {t.hard_negatives} mined hard "
         f"negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims {qs.matryoshka_dims}, load-balancing "
         f"α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with {t.warmup_steps} warmup steps and linear decay, "
-        f"max lengths {t.max_query_length}/{t.max_doc_length} tokens, bf16 autocast {t.bf16}\n"
+        f"max lengths {t.max_query_length}/{t.max_doc_length} tokens, bf16 autocast {bf16}\n"
         f"- data curation: consistency filtering top-{c.filter_top_k} and positive-aware mining "
         f"({c.num_negatives} negatives, margin {c.margin}) with {teacher} as teacher\n"
     )
