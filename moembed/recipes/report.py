@@ -19,19 +19,11 @@ from pathlib import Path
 
 from moembed.figures import new_figure, save_png
 from moembed.fileio import atomic_path
+from moembed.recipes import report_text as _text
+from moembed.recipes.report_text import MOE_DATA_SCALE, base_label  # noqa: F401 (MOE_DATA_SCALE: public)
 from moembed.version import __version__
 
 LABELS = {"base": "base", "dense": "dense, finetuned (control)", "moe": "MoE, upcycled + finetuned"}
-# Below this many training pairs the report warns that the MoE is not expected to beat the dense control:
-# nomic-embed-v2-moe §7.2 saw an MoE underperform its parameter-equivalent dense model even with 100M
-# contrastive pairs ("MoE models tend to underperform dense models under limited training regimes").
-MOE_DATA_SCALE = 1_000_000
-
-
-def base_label(qs) -> str:
-    return f"{'all-MiniLM-L6-v2' if not qs.cfg.base else qs.base.name} (base)"
-
-
 def _results(out: Path, sub: str = "eval") -> dict[str, list[dict]]:
     return {m: json.loads((out / sub / m / "results.json").read_text())["results"] for m in LABELS}
 
@@ -128,7 +120,6 @@ def _probe(qs) -> list[str]:
 def write_report(qs) -> dict:
     from moembed.model.embedder import Embedder
     from moembed.model.io import export_sentence_transformers
-    from moembed.recipes import report_text
 
     out, report = qs.out, qs.out / "report"
     report.mkdir(parents=True, exist_ok=True)
@@ -153,14 +144,14 @@ def write_report(qs) -> dict:
         export_sentence_transformers(emb, report / "models" / f"{kind}-st")
     stages = {p.stem: json.loads(p.read_text()) for p in (out / "stages").glob("*.json")}
     load_lines = _probe(qs)
-    decisions = report_text.decisions(qs, stages)
+    decisions = _text.decisions(qs, stages)
     test_sets = stages.get("data", {}).get("test_sets")
-    language_text = report_text.languages(summary, test_sets) if test_sets else None
+    language_text = _text.languages(summary, test_sets) if test_sets else None
     with atomic_path(report / "README.md") as tmp:
-        tmp.write_text(report_text.report(qs, table, verdict(summary), plots, stages, load_lines, decisions,
+        tmp.write_text(_text.report(qs, table, verdict(summary), plots, stages, load_lines, decisions,
                                           suite_table, language_text))
     with atomic_path(report / "models" / "moe" / "README.md") as tmp:
-        tmp.write_text(report_text.model_card(qs, table, summary, verdict(summary), stages, load_lines, decisions))
+        tmp.write_text(_text.model_card(qs, table, summary, verdict(summary), stages, load_lines, decisions))
     return {"summary": summary, "verdict": verdict(summary), "table": table, "decisions": decisions,
             "suite_table": suite_table, "languages": language_text}
 

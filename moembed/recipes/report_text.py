@@ -7,7 +7,14 @@ the model card state them.
 
 from __future__ import annotations
 
-from moembed.recipes.report import MOE_DATA_SCALE, base_label
+# Below this many training pairs the report warns that the MoE is not expected to beat the dense control:
+# nomic-embed-v2-moe §7.2 saw an MoE underperform its parameter-equivalent dense model even with 100M
+# contrastive pairs ("MoE models tend to underperform dense models under limited training regimes").
+MOE_DATA_SCALE = 1_000_000
+
+
+def base_label(qs) -> str:
+    return f"{'all-MiniLM-L6-v2' if not qs.cfg.base else qs.base.name} (base)"
 
 
 def decisions(qs, stages: dict) -> dict:
