@@ -221,3 +221,27 @@ def test_records_without_negatives_are_dropped_when_needed(tmp_path):
     assert b.queries == ["a", "a", "a"] and b.negatives == ["x"] * 6  # short list: drawn with replacement
     assert stats.no_negatives["n"] == 2
     assert np.isfinite(source_probabilities([1])).all()
+
+
+def test_scan_reads_every_record_once_without_moving_the_training_position(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moembed.data.sources import JsonlReader, ParquetReader
+
+    rows = [{"query": f"q{i}", "document": f"d{i}"} for i in range(2500)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=700)
+    for reader in (JsonlReader(tmp_path / "a.jsonl", shuffle_block=100, seed=1),
+                   ParquetReader(tmp_path / "a.parquet", ["query", "document"], shuffle_block=100, seed=1)):
+        first = reader.next()
+        state = reader.state()
+        scanned = list(reader.scan())
+        assert [v for _, v in scanned] == rows  # file order, every record once
+        assert reader.state() == state and reader.next() != first
+    assert scanned[1][0].endswith("a.parquet:row 2")
+    assert JsonlReader(tmp_path / "a.jsonl").field_names() is None
+    assert ParquetReader(tmp_path / "a.parquet", ["query"]).field_names() == ["query", "document"]
+    (tmp_path / "b.jsonl").write_text('{"query": "q"}\nnot json\n')
+    with pytest.raises(MoembedError, match=r"b\.jsonl:2: invalid JSON"):
+        list(JsonlReader(tmp_path / "b.jsonl").scan())

@@ -1,4 +1,4 @@
-"""`moembed quickstart`: the main job, end to end on real data."""
+"""`moembed quickstart`: the main job, end to end on real data — the user's pairs or the built-in corpora."""
 
 from __future__ import annotations
 
@@ -13,18 +13,29 @@ def register(app: typer.Typer) -> None:
 
 def quickstart(
     out: Path = typer.Option(Path("moembed-quickstart"), "--out", help="work and report directory (rerun to resume)"),
+    data: list[Path] = typer.Option(None, "--data", help="your pairs: JSONL, Parquet or a `datasets` save_to_disk "
+                                    "directory (repeat for several); default: the built-in corpora"),
+    fields: str = typer.Option(None, "--fields", help="field names of your records, e.g. query=q,document=d "
+                               "(roles: query, document, negatives, source, language)"),
+    base: str = typer.Option(None, "--base", help="base model directory (default: all-MiniLM-L6-v2)"),
+    teacher: str = typer.Option(None, "--teacher", help="teacher for filtering and mining (default: the base)"),
+    preset: str = typer.Option(None, "--preset", help="a named recipe (default: english)"),
     steps: int = typer.Option(None, "--steps", help="finetuning steps per model (default 200)"),
-    size: str = typer.Option(None, "--size", help="small | medium | large: pairs per dataset"),
+    batch_size: int = typer.Option(None, "--batch-size", help="global training batch (default 32)"),
+    max_pairs: int = typer.Option(None, "--max-pairs", help="training pairs kept (your data: in all; built-in: per dataset)"),
+    nproc: int = typer.Option(None, "--nproc", help="training processes per model, launched with torchrun (default 1)"),
+    size: str = typer.Option(None, "--size", help="tiny | small | medium | large: pairs per dataset, eval sizes"),
     config: Path = typer.Option(None, "--config", help="a YAML file over configs/quickstart.yaml's defaults"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
 ) -> None:
-    """Build data, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (10-12 min on 2 cores)."""
+    """Split, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (10-12 min on 2 cores)."""
     import json
 
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
     from moembed.recipes.report import print_headline
 
-    cfg = load_quickstart_config(config, steps=steps, size=size)
+    cfg = load_quickstart_config(config, preset, steps=steps, size=size, data=data, fields=fields, base=base,
+                                 teacher=teacher, batch_size=batch_size, max_pairs=max_pairs, nproc=nproc)
     results = Quickstart(cfg, out, progress=not quiet).run()
     report = results["report"]
     if "table" not in report:  # finished in an earlier run: read the stored report

