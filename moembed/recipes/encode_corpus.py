@@ -180,7 +180,7 @@ def prepare(job: EncodeJob, emb) -> PartialState:
         calibration = pooled(emb, texts, emb.prefix(job.prompt), job.batch_size, bf16=False)[0].numpy()
         emb.calibration = calibration
     probe = emb.postprocess(torch.zeros(1, emb.dim), job.dim, job.precision)  # (1, width): the output's row shape
-    meta = {**ident, "rows": rows, "width": probe.shape[1], "dtype": probe.dtype.str}
+    meta = {**ident, "rows": rows, "width": probe.shape[1], "out_dtype": probe.dtype.str}
     return PartialState.create(root, meta, calibration)
 
 
@@ -212,4 +212,6 @@ def encode_chunks(job: EncodeJob, emb, state: PartialState, rank: int = 0, world
         writer.close()
     if truncated:
         log.warning("%d of %d texts were longer than %d tokens and were truncated", truncated, written, emb.max_length)
+    if world > 1:
+        log.info("rank %d of %d: %d texts in %d chunks", rank, world, written, len(mine))
     return written

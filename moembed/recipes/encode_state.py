@@ -42,7 +42,7 @@ class PartialState:
     def __init__(self, root: Path, meta: dict):
         self.root, self.meta = root, meta
         self.rows, self.width = int(meta["rows"]), int(meta["width"])
-        self.dtype = np.dtype(meta["dtype"])
+        self.dtype = np.dtype(meta["out_dtype"])
         self.chunk_rows = int(meta["chunk_rows"])
         self.parquet = meta["kind"] == "parquet"
         self.offset = 0 if self.parquet or not self.data.exists() else _header_length(self.data)
@@ -68,7 +68,7 @@ class PartialState:
             if meta["kind"] == "parquet":
                 (tmp / "shards").mkdir()
             else:  # the header and a sparse file of the full size; rows are written later at their offsets
-                mm = np.lib.format.open_memmap(tmp / "data.npy", mode="w+", dtype=np.dtype(meta["dtype"]),
+                mm = np.lib.format.open_memmap(tmp / "data.npy", mode="w+", dtype=np.dtype(meta["out_dtype"]),
                                                shape=(int(meta["rows"]), int(meta["width"])))
                 del mm
         return cls(root, meta)
