@@ -276,3 +276,35 @@ def test_nproc_two_processes_one_output_in_input_order(tiny_dir, tmp_path):
     assert "wrote 45 x 16 float32" in r.stderr
     np.testing.assert_allclose(np.load(tmp_path / "o.npy"), Embedder.load(tiny_dir).encode(texts, dim=16), atol=1e-6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o.npy"]
+
+
+def test_move_into_place_replaces_a_file_or_a_directory(tmp_path):
+    from moembed.fileio import move_into_place
+
+    (tmp_path / "new.npy").write_bytes(b"new")
+    (tmp_path / "out.npy").write_bytes(b"old")
+    move_into_place(tmp_path / "new.npy", tmp_path / "out.npy")
+    assert (tmp_path / "out.npy").read_bytes() == b"new" and not (tmp_path / "new.npy").exists()
+    for name, content in (("old", b"1"), ("new", b"2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part-000000.parquet").write_bytes(content)
+    move_into_place(tmp_path / "new", tmp_path / "old")  # a directory onto an existing one
+    assert (tmp_path / "old" / "part-000000.parquet").read_bytes() == b"2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "out.npy"]
+
+
+def test_cli_resumes_a_partial_state(tiny_dir, tmp_path):
+    from moembed.recipes.encode_corpus import encode_chunks, load_model, prepare
+
+    texts = texts_of(12, seed=5)
+    path = write_jsonl(tmp_path / "in.jsonl", texts)
+    job = job_of(tiny_dir, path, tmp_path / "o.npy", chunk_rows=4)
+    emb = load_model(job)
+    encode_chunks(job, emb, prepare(job, emb), rank=0, world=3)  # chunk 0 of 3 done, as a killed run leaves it
+    r = run_cli("encode", tiny_dir, path, "--out", tmp_path / "o.npy", "--chunk-size", 4, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "o.npy.partial: 1 of 3 chunks done" in r.stderr
+    from moembed.model.embedder import Embedder
+
+    np.testing.assert_allclose(np.load(tmp_path / "o.npy"), Embedder.load(tiny_dir).encode(texts), atol=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o.npy"]

@@ -165,7 +165,9 @@ def prepare(job: EncodeJob, emb) -> PartialState:
     if state is not None:
         state.check(ident)
         _use_calibration(emb, state)
-        log.info("resuming %s: %d of %d chunks done", root, len(state.done()), state.chunks)
+        done = len(state.done())
+        if done:
+            log.info("resuming %s: %d of %d chunks done", root, done, state.chunks)
         return state
     rows = job.input.scan()
     if rows == 0:
