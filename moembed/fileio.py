@@ -245,6 +245,24 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def move_into_place(src: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Move a complete file or directory `src` onto `target` (same filesystem) as `atomic_path` / `atomic_dir` end:
+    `src` is fsynced, then renamed in one step (a directory replaces an existing one as in `atomic_dir`), then the
+    directory entry is fsynced. For outputs built in place over a long run (a resumable partial state)."""
+    src, target = Path(src), Path(target)
+    try:
+        if src.is_dir():
+            recover_dir(target)
+            _fsync_tree(src)
+            _replace_dir(src, target)
+        else:
+            _fsync_file(src)
+            os.replace(src, target)
+            _fsync_dir(target.parent)
+    except OSError as e:
+        raise _write_error(target, e, _free_bytes(target.parent), False) from None
+
+
 def read_text_lines(path: str | os.PathLike) -> list[str]:
     """All lines of a UTF-8 text file (without newlines); errors name the file and line."""
     path = Path(path)

@@ -1,7 +1,14 @@
-"""`moembed encode`: embed a file of texts into a .npy array."""
+"""`moembed encode`: embed a corpus of texts, streamed in chunks, into a .npy array or Parquet shards.
+
+    moembed encode MODEL docs.jsonl --field text --out docs.npy --prompt search_document
+    moembed encode MODEL docs.parquet --column body --out docs/ --nproc 2     # Parquet shards, two processes
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import typer
@@ -13,50 +20,79 @@ def register(app: typer.Typer) -> None:
 
 def encode(
     model: str = typer.Argument(..., help="moembed, Hugging Face BERT or sentence-transformers directory"),
-    input: Path = typer.Option(..., "--input", "-i", help="one JSON string per line (or plain lines with --plain)"),
-    output: Path = typer.Option(..., "--output", "-o", help="output .npy: one row per input line, in order"),
+    source: Path = typer.Argument(None, metavar="INPUT", help="texts: JSONL, plain text or Parquet"),
+    input: Path = typer.Option(None, "--input", "-i", help="the input, as an option (same as INPUT)"),
+    output: Path = typer.Option(..., "--out", "--output", "-o",
+                                help="OUT.npy: one row per text, in input order; a directory: Parquet shards (id, embedding)"),
+    format: str = typer.Option("auto", help="auto | jsonl | text | parquet (auto: parquet for .parquet, else jsonl)"),
+    field: str = typer.Option(None, help="JSONL: the key of the text in each object (default: each line a JSON string)"),
+    column: str = typer.Option(None, help="Parquet: the column of the texts"),
+    plain: bool = typer.Option(False, help="read plain text lines (same as --format text)"),
     prompt: str = typer.Option(None, help="task prefix name, e.g. search_query"),
     dim: int = typer.Option(None, help="Matryoshka truncation to the first DIM components"),
-    precision: str = typer.Option("float32", help="float32 | int8 | binary"),
+    precision: str = typer.Option("float32", help="output precision: float32 | int8 | binary"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
-    plain: bool = typer.Option(False, help="read plain text lines instead of JSON strings"),
-    bf16: bool = typer.Option(False, help="bfloat16 autocast (faster on CPUs with AVX-512 BF16)"),
+    chunk_size: int = typer.Option(4096, help="texts read, embedded and written at a time (the unit of resumption)"),
+    max_length: int = typer.Option(None, help="tokens per text (default: the model's)"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N | mps (auto: the accelerator if any)"),
+    bf16: bool = typer.Option(False, help="bfloat16 autocast (same as --dtype bf16)"),
     dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
-    calibration: Path = typer.Option(None, help="texts (same format as --input) whose embeddings set int8 ranges"),
+    calibration: Path = typer.Option(None, help="texts (same format as the input) whose embeddings set int8 ranges"),
+    nproc: int = typer.Option(None, help="split the work over N processes (torchrun; one GPU each with --device cuda)"),
 ) -> None:
-    """Embed texts: one row per input line, float32 unless another precision is asked."""
-    import numpy as np
+    """Embed texts: one row per input text, float32 unless another precision is asked.
 
+    The input is streamed in chunks and the rows are written in place, so memory does not grow with the corpus.
+    An interrupted run leaves OUT.partial/ beside OUT; the same command resumes it.
+    """
     from moembed.errors import MoembedError
-    from moembed.fileio import atomic_path, read_texts
-    from moembed.model.embedder import Embedder
-    from moembed.model.pooling import PRECISIONS
+    from moembed.recipes.corpus_input import CorpusInput
+    from moembed.recipes.encode_corpus import EncodeJob, encode_corpus, load_model, prepare
 
-    if precision not in PRECISIONS:
-        raise MoembedError(f"--precision: unknown {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if dtype not in ("float32", "bf16", "int8"):
-        raise MoembedError(f"--dtype: unknown {dtype!r}; choose one of float32, bf16, int8")
-    bf16 = bf16 or dtype == "bf16"
-    if output.suffix != ".npy":
-        raise MoembedError(f"--output: {output} must end in .npy")
-    texts = read_texts(input, plain=plain)
-    emb = Embedder.load(model)
-    if dtype == "int8":
-        from moembed.model.linear import quantize_int8
+    if (source is None) == (input is None):
+        raise MoembedError("INPUT: give the input once, as an argument or with --input")
+    src = source or input
+    if plain:
+        if format not in ("auto", "text"):
+            raise MoembedError(f"--plain: contradicts --format {format}")
+        format = "text"
+    if bf16:
+        if dtype not in ("float32", "bf16"):
+            raise MoembedError(f"--bf16: contradicts --dtype {dtype}")
+        dtype = "bf16"
+    inp = CorpusInput.open(src, format, field, column)
+    cal = CorpusInput.open(calibration, inp.format, field, column) if calibration is not None else None
+    job = EncodeJob(model=model, input=inp, out=output, prompt=prompt, dim=dim, precision=precision, dtype=dtype,
+                    max_length=max_length, chunk_rows=chunk_size, batch_size=batch_size, device=device,
+                    calibration=cal)
+    if nproc is None or nproc == 1:
+        rows, width, out_dtype = encode_corpus(job, show_progress=True)
+    else:
+        if nproc < 1:
+            raise MoembedError(f"--nproc: must be >= 1, got {nproc}")
+        if "WORLD_SIZE" in os.environ:
+            raise MoembedError("--nproc: already running under torchrun; leave --nproc out there")
+        emb = load_model(job)  # bad input and options fail here, with one clear line, before any process starts
+        state = prepare(job, emb)
+        rows, width, out_dtype = state.rows, state.width, state.dtype
+        del emb
+        argv = _worker_argv(model, src, job, calibration)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "moembed.cli.main", "encode", *argv]
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            raise MoembedError(f"--nproc {nproc}: a process failed (exit {rc}); {state.root} is kept: run the same "
+                               "command again to resume")
+    typer.echo(f"moembed: wrote {rows} x {width} {out_dtype.name} to {output}", err=True)
 
-        try:
-            quantize_int8(emb)
-        except RuntimeError as e:
-            raise MoembedError(f"--dtype int8: {e}") from None
-    if dim is not None and not 1 <= dim <= emb.dim:
-        raise MoembedError(f"--dim: {dim} is out of range 1..{emb.dim}")
-    emb.prefix(prompt)  # unknown prompt names fail before any work
-    if precision == "int8" and emb.calibration is None:
-        cal_texts = read_texts(calibration, plain=plain) if calibration else texts
-        typer.echo(f"moembed: int8 ranges from {len(cal_texts)} calibration texts ({calibration or input})", err=True)
-        emb.calibrate(cal_texts, prompt=prompt)
-    x = emb.encode(texts, prompt=prompt, dim=dim, precision=precision, batch_size=batch_size, show_progress=True, bf16=bf16)
-    with atomic_path(output) as tmp:
-        with open(tmp, "wb") as fh:
-            np.save(fh, x)
-    typer.echo(f"moembed: wrote {x.shape[0]} x {x.shape[1]} {x.dtype} to {output}", err=True)
+
+def _worker_argv(model: str, src: Path, job, calibration: Path | None) -> list[str]:
+    """The command line of one rank: this job's options, without --nproc."""
+    argv = [model, str(src), "--out", str(job.out), "--format", job.input.format, "--precision", job.precision,
+            "--dtype", job.dtype, "--batch-size", str(job.batch_size), "--chunk-size", str(job.chunk_rows),
+            "--device", job.device]
+    for flag, value in (("--field", job.input.field), ("--column", job.input.column), ("--prompt", job.prompt),
+                        ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
