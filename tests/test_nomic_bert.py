@@ -397,7 +397,7 @@ def test_mismatching_transformers_checkpoint_names_the_tensor(hf_nomic):
     sd["encoder.layers.1.mlp.fc12.weight"] = sd["encoder.layers.1.mlp.fc12.weight"][:40]
     save_file(sd, str(path / "model.safetensors"))
     with pytest.raises(MoembedError, match=r"'encoder.layers.1.mlp.fc12.weight' has shape \(40, 32\), "
-                                           r"config.json implies \(48, 32\)"):
+                                           r"(but \S+/)?config.json implies \(48, 32\)"):
         Embedder.load(path)
 
 
