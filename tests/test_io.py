@@ -93,8 +93,21 @@ def test_weights_that_do_not_match_the_config(make_tiny, saved):
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(MoembedError, match="not a model directory"):
+    with pytest.raises(MoembedError, match="nothing: no such directory; moembed reads models from local directories"):
         Embedder.load(tmp_path / "nothing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(MoembedError, match="not a model directory"):
+        Embedder.load(tmp_path / "file")
+
+
+def test_hub_name_says_how_to_get_a_local_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no such relative directory here
+    with pytest.raises(MoembedError) as e:
+        Embedder.load("sentence-transformers/all-MiniLM-L6-v2")
+    msg = str(e.value)
+    assert "looks like a Hugging Face Hub name" in msg and "local directories only" in msg
+    assert "huggingface-cli download sentence-transformers/all-MiniLM-L6-v2 --local-dir DIR" in msg
+    assert "SentenceTransformer('sentence-transformers/all-MiniLM-L6-v2').save('DIR')" in msg
 
 
 def test_unsupported_architecture(tmp_path):

@@ -34,8 +34,8 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def encode(self, texts, prompt=None, dim=None, precision="float32", batch_size=32):
-        self.calls.append((prompt, list(texts)))
+    def encode(self, texts, prompt_name=None, prompt=None, *, truncate_dim=None, precision="float32", batch_size=32):
+        self.calls.append((prompt_name, list(texts)))
         return np.ones((len(texts), self.dim), np.float32)
 
 
@@ -86,7 +86,7 @@ def test_real_prefix_reaches_the_tokenizer(make_tiny):
         hf_subset="default",
         prompt_type=PromptType.document,
     )
-    np.testing.assert_array_equal(got, emb.encode(["a cat"], prompt="search_document"))
+    np.testing.assert_array_equal(got, emb.encode(["a cat"], prompt_name="search_document"))
     assert not np.allclose(got, emb.encode(["a cat"]))
 
 

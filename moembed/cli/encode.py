@@ -17,7 +17,7 @@ def encode(
     output: Path = typer.Option(..., "--output", "-o", help="output .npy: one row per input line, in order"),
     prompt: str = typer.Option(None, help="task prefix name, e.g. search_query"),
     dim: int = typer.Option(None, help="Matryoshka truncation to the first DIM components"),
-    precision: str = typer.Option("float32", help="float32 | int8 | binary"),
+    precision: str = typer.Option("float32", help="float32 | int8 | uint8 | binary | ubinary"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     plain: bool = typer.Option(False, help="read plain text lines instead of JSON strings"),
     bf16: bool = typer.Option(False, help="bfloat16 autocast (faster on CPUs with AVX-512 BF16)"),
@@ -51,11 +51,11 @@ def encode(
     if dim is not None and not 1 <= dim <= emb.dim:
         raise MoembedError(f"--dim: {dim} is out of range 1..{emb.dim}")
     emb.prefix(prompt)  # unknown prompt names fail before any work
-    if precision == "int8" and emb.calibration is None:
+    if precision in ("int8", "uint8") and emb.calibration is None:
         cal_texts = read_texts(calibration, plain=plain) if calibration else texts
         typer.echo(f"moembed: int8 ranges from {len(cal_texts)} calibration texts ({calibration or input})", err=True)
-        emb.calibrate(cal_texts, prompt=prompt)
-    x = emb.encode(texts, prompt=prompt, dim=dim, precision=precision, batch_size=batch_size, show_progress=True, bf16=bf16)
+        emb.calibrate(cal_texts, prompt_name=prompt)
+    x = emb.encode(texts, prompt_name=prompt, dim=dim, precision=precision, batch_size=batch_size, show_progress=True, bf16=bf16)
     with atomic_path(output) as tmp:
         with open(tmp, "wb") as fh:
             np.save(fh, x)

@@ -81,12 +81,25 @@ def read_parts(path: str | Path, max_length: int | None = None) -> ModelParts:
     """The parts of a moembed directory, a sentence-transformers directory, or a Hugging Face directory."""
     path = Path(path)
     recover_dir(path)  # a replacement of this directory interrupted by a kill (fileio: rename-aside fallback)
+    if not path.exists():
+        raise MoembedError(_not_local(path))
     if not path.is_dir():
-        raise MoembedError(f"{path}: not a model directory")
+        raise MoembedError(f"{path}: not a model directory (a file)")
     cfg = _read_json(path / "config.json")
     if cfg.get("format") == "moembed":
         return _read_moembed(path, cfg, max_length)
     return _read_hf(path, cfg, max_length)
+
+
+def _not_local(path: Path) -> str:
+    """The message for a model name that is no local directory, e.g. a Hugging Face Hub name."""
+    name = str(path)
+    hub = "/" in name and not path.is_absolute() and not name.startswith(".") and len(path.parts) == 2
+    what = f"{name!r} looks like a Hugging Face Hub name, but moembed" if hub else f"{name}: no such directory; moembed"
+    return (f"{what} reads models from local directories only and never downloads. Download the model on a "
+            f"machine with internet access, e.g. `huggingface-cli download {name if hub else 'ORG/NAME'} --local-dir "
+            f"DIR` or `SentenceTransformer({(name if hub else 'ORG/NAME')!r}).save('DIR')`, copy DIR here and pass "
+            f"its path")
 
 
 def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
