@@ -22,7 +22,7 @@ def texts():
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from sentences import news_sentences
 
-    return news_sentences(40) + ["x", "a much longer sentence " * 20]
+    return news_sentences(24) + ["x", "a much longer sentence " * 20]
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_scalar_precisions_with_the_same_calibration(pair, texts, precision):
     from sentence_transformers.util import quantize_embeddings
 
     st, emb = pair
-    calibration, queries = texts[:30], texts[30:]
+    calibration, queries = texts[:16], texts[16:]
     emb.calibration = None
     with pytest.raises(Exception, match="calibrat"):
         emb.encode(queries, precision=precision)
@@ -136,11 +136,13 @@ def test_scalar_precisions_with_the_same_calibration(pair, texts, precision):
                 calibration_embeddings=st.encode(calibration, truncate_dim=k, normalize_embeddings=st_norm))
             assert np.abs(got.astype(int) - want.astype(int)).max() <= 1 and (got == want).mean() > 0.99
         # sentence-transformers' encode(precision=...) calibrates on the texts it encodes: calibrate on them too
-        emb.calibrate(queries)
-        got = emb.encode(queries, precision=precision)
-        want = st.encode(queries, precision=precision)
+        emb.calibrate(texts)
+        got = emb.encode(texts, precision=precision)
+        np.testing.assert_array_equal(got, quantize_embeddings(emb.encode(texts), precision))
+        want = st.encode(texts, precision=precision)
         assert got.dtype == want.dtype and np.abs(got.astype(int) - want.astype(int)).max() <= 1
-        assert (got == want).mean() > 0.98  # each dimension's extremes sit exactly on a bucket edge
+        # each dimension's maximum sits exactly on the top bucket's edge: float rounding may move it one down
+        assert (got == want).mean() > 0.95
     finally:
         emb.calibration = None
 
