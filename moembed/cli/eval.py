@@ -58,7 +58,7 @@ def eval_cmd(
     suite: str = typer.Option(None, help="add a built-in suite: dev"),
     suite_dir: Path = typer.Option(None, help="suite location (default: CACHE_DIR/dev-suite or OUT/dev-suite)"),
     dims: str = typer.Option(None, help="Matryoshka dimensions to sweep, e.g. 384,256,128"),
-    precisions: str = typer.Option("float32", help="output precisions to sweep: float32,int8,binary"),
+    precisions: str = typer.Option("float32", help="output precisions to sweep: float32,int8,uint8,binary,ubinary"),
     max_lengths: str = typer.Option(None, help="retrieval at these maximum lengths (with and without Dynamic NTK)"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     cache_dir: Path = typer.Option(None, help="cache embeddings here, keyed by model hash, texts, prompt, dim"),

@@ -60,8 +60,10 @@ class EmbeddingCache:
         model_key = model.settings_key()
         key = {"model": model_key, "texts": h.hexdigest(), "prompt": prompt, "dim": view.dim,
                "precision": view.precision}
-        if view.precision == "int8" and isinstance(model, Quantizes) and model.calibration is not None:
-            # int8 codes depend on the calibration ranges
+        if view.precision in ("int8", "uint8") and isinstance(model, Quantizes) and model.calibration is not None:
+            # the codes depend on the calibration ranges and on the bucketing (floor into 256 buckets, as
+            # sentence-transformers' quantize_embeddings; earlier entries rounded)
+            key["quantizer"] = "floor256"
             key["calibration"] = hashlib.sha256(np.ascontiguousarray(model.calibration).tobytes()).hexdigest()[:16]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return self.dir / model_key / f"{digest}.npy"

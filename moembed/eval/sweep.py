@@ -69,13 +69,13 @@ def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, p
         if not 1 <= d <= full:
             raise MoembedError(f"--dims: {d} is out of range 1..{full}")
     precisions = ["float32", *[p for p in precisions if p != "float32"]]
-    note = ensure_int8(model, tasks) if "int8" in precisions else ""
+    note = ensure_int8(model, tasks) if {"int8", "uint8"} & set(precisions) else ""
     out = []
     grid = [(p, d, t) for p in precisions for d in dims for t in tasks]
     for p, d, t in tqdm(grid, desc="sweep", unit="run", disable=not progress):
         r = run_task(model, t, View(d, p, batch_size), cache, use_faiss and p == "float32")
         r.extra["full_dim"] = d == full
-        r.note = note if p == "int8" else ""
+        r.note = note if p in ("int8", "uint8") else ""
         out.append(r)
     return retained(out)
 
