@@ -45,6 +45,21 @@ def test_export_tiny_bert_round_trip(make_tiny, tmp_path):
     np.testing.assert_allclose(Embedder.load(tmp_path / "st").encode(TEXTS), emb.encode(TEXTS), atol=1e-6)
 
 
+def test_similarity_function_is_kept_and_exported(make_tiny, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    emb = make_tiny("bert")
+    emb.similarity_fn_name = "dot"
+    emb.save(tmp_path / "m")
+    assert Embedder.load(tmp_path / "m").similarity_fn_name == "dot"
+    export_sentence_transformers(emb, tmp_path / "st")
+    assert Embedder.load(tmp_path / "st").similarity_fn_name == "dot"
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu", local_files_only=True)
+    assert st.similarity_fn_name == "dot"
+    assert Embedder.load(tmp_path / "st").similarity(st.encode(TEXTS), st.encode(TEXTS)).allclose(
+        st.similarity(st.encode(TEXTS), st.encode(TEXTS)), atol=1e-5)
+
+
 @pytest.fixture
 def saved(make_tiny, tmp_path):
     make_tiny().save(tmp_path / "m")

@@ -379,7 +379,7 @@ class Embedder(nn.Module):
         """Everything `save` writes: config, weights (detached, on the CPU), tokenizer and settings."""
         sd = {k: v.detach().cpu() for k, v in self.encoder.state_dict().items()}
         return ModelParts(self.config, sd, self.tokenizer, self.pooling, self.normalize, self.prompts, self.name,
-                          self.calibration, self.source_dir)
+                          self.calibration, self.source_dir, similarity_fn_name=self.similarity_fn_name)
 
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
@@ -388,7 +388,8 @@ class Embedder(nn.Module):
         _check_state(encoder, parts.state_dict, parts.weights_path)
         encoder.load_state_dict(parts.state_dict)
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,
-                   name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir).eval()
+                   name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir,
+                   similarity_fn_name=parts.similarity_fn_name).eval()
 
     @classmethod
     def load(cls, path: str | Path, max_length: int | None = None, device: str | None = "cpu",

@@ -50,6 +50,7 @@ class ModelParts:
     calibration: np.ndarray | None = None  # (n, d) float32 sample for int8 ranges
     source_dir: Path | None = None  # tokenizer files are copied from here on save
     weights_path: Path | None = None  # where the weights were read from (named in errors)
+    similarity_fn_name: str = "cosine"  # "cosine" | "dot", as sentence-transformers' config names it
 
 
 def _read_json(path: Path) -> dict:
@@ -118,12 +119,13 @@ def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
         calibration = load_file(str(path / "calibration.safetensors"))["embeddings"].numpy()
     return ModelParts(config, sd, tok, pooling=cfg.get("pooling", "mean"), normalize=cfg.get("normalize", True),
                       prompts=cfg.get("prompts"), name=cfg.get("name", path.name), calibration=calibration,
-                      source_dir=path, weights_path=path / "model.safetensors")
+                      source_dir=path, weights_path=path / "model.safetensors",
+                      similarity_fn_name=cfg.get("similarity_fn_name") or "cosine")
 
 
 def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     """A Hugging Face directory, optionally wrapped as a sentence-transformers model (modules.json)."""
-    pooling, normalize, prompts, st_max = "cls", False, {}, None
+    pooling, normalize, prompts, st_max, sim = "cls", False, {}, None, "cosine"
     if (path / "modules.json").exists():
         modules = _read_json(path / "modules.json")
         types = [m.get("type", "") for m in modules]
@@ -142,13 +144,14 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
         if (path / "sentence_bert_config.json").exists():
             st_max = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
         if (path / "config_sentence_transformers.json").exists():
-            prompts = _read_json(path / "config_sentence_transformers.json").get("prompts") or {}
+            st_cfg = _read_json(path / "config_sentence_transformers.json")
+            prompts, sim = st_cfg.get("prompts") or {}, st_cfg.get("similarity_fn_name") or "cosine"
     family = converter_for(cfg, path)
     config = family.config_from_hf(cfg, path)
     sd = family.weights_from_hf(_read_weights(path), config)
     tok = TextTokenizer.from_dir(path, max_length or st_max or config.max_position)
     return ModelParts(config, sd, tok, pooling=pooling, normalize=normalize, prompts=prompts, name=path.name,
-                      source_dir=path, weights_path=path)
+                      source_dir=path, weights_path=path, similarity_fn_name=sim)
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -171,6 +174,7 @@ def write_parts(parts: ModelParts, out: Path) -> None:
         "format": "moembed", "version": __version__, "name": parts.name,
         "encoder": parts.config.model_dump(mode="json"), "pooling": parts.pooling, "normalize": parts.normalize,
         "prompts": parts.prompts, "max_length": parts.tokenizer.max_length,
+        "similarity_fn_name": parts.similarity_fn_name,
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     sd = {k: v.detach().contiguous().cpu() for k, v in parts.state_dict.items()}
@@ -234,6 +238,6 @@ def _write_st_modules(parts: ModelParts, tmp: Path, first_type: str) -> None:
     (tmp / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": parts.tokenizer.max_length, "do_lower_case": False}))
     (tmp / "config_sentence_transformers.json").write_text(json.dumps({
-        "prompts": parts.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
+        "prompts": parts.prompts, "default_prompt_name": None, "similarity_fn_name": parts.similarity_fn_name,
         "__version__": {"moembed": __version__},
     }, indent=2))
