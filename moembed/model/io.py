@@ -5,7 +5,7 @@
 
 moembed format:
     config.json         {"format": "moembed", "version", "name", "encoder": {...}, "pooling", "normalize",
-                         "prompts", "max_length"}
+                         "prompts", "max_length", "similarity_fn_name"}
     model.safetensors   encoder weights (moembed names)
     tokenizer.json      (plus the source's other tokenizer files, kept for export)
     calibration.safetensors   optional sample of embeddings for int8 ranges
