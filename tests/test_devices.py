@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,74 @@ def test_checkpoint_meta_names_the_stage(tmp_path, minilm_path):
     train(cfg, progress=False)
     (ckpt,) = (tmp_path / "run" / "checkpoints").iterdir()
     assert json.loads((ckpt / "state.json").read_text())["meta"]["stage"] == "finetune"
+
+
+# ---- --device on the commands that embed, and the Embedder's device / dtype -------------------------------------
+
+
+def _invoke(*args):
+    from typer.testing import CliRunner
+
+    from moembed.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_commands_default_to_auto_and_pass_the_device_on(monkeypatch, tmp_path, make_tiny):
+    """eval, moee, filter and mine take --device (default auto: the accelerator when there is one)."""
+    import moembed.data.curate as curate_mod
+    from moembed.model.embedder import Embedder
+
+    seen = []
+
+    def fake_load(cls, path, max_length=None, device="cpu", dtype="float32"):
+        seen.append(device)
+        raise MoembedError("stop here")
+
+    monkeypatch.setattr(Embedder, "load", classmethod(fake_load))
+    monkeypatch.setattr(curate_mod, "curate", lambda data, out, teacher, cfg, **kw: seen.append(cfg.device) or {})
+    monkeypatch.setattr("moembed.cli.data._print_report", lambda report: None)
+    monkeypatch.setattr("moembed.eval.load_task", lambda d: None)  # eval reads its tasks before the model
+    make_tiny("bert", moe={"num_experts": 2, "top_k": 1, "layers": [1]}).save(tmp_path / "m")
+    (tmp_path / "in.txt").write_text("a\n")
+    (tmp_path / "p.jsonl").write_text('{"query": "q", "document": "d"}\n')
+    for device in (None, "cpu"):
+        extra = [] if device is None else ["--device", device]
+        seen.clear()
+        _invoke("eval", tmp_path / "m", "--tasks", tmp_path, "--out", tmp_path / "res", *extra)
+        _invoke("moee", tmp_path / "m", "-i", tmp_path / "in.txt", "-o", tmp_path / "o.npy", "--plain", *extra)
+        for cmd in ("filter", "mine"):
+            r = _invoke(cmd, tmp_path / "p.jsonl", "--teacher", tmp_path / "m", "--out", tmp_path / "o.jsonl", *extra)
+            assert r.exit_code == 0, r.output
+        assert seen == [device or "auto"] * 4
+
+
+def test_commands_name_the_device_choices(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"query": "q", "document": "d"}\n')
+    for cmd in ("filter", "mine"):
+        r = _invoke(cmd, tmp_path / "p.jsonl", "--teacher", tmp_path / "m", "--out", tmp_path / "o.jsonl", "--device", "gpu")
+        assert "device: unknown 'gpu'; choose one of auto, cpu, cuda, cuda:N, mps" in str(r.exception)
+
+
+def test_embedder_load_device_and_dtype(make_tiny, tmp_path, monkeypatch):
+    from moembed.devices import resolve_dtype
+    from moembed.model.embedder import Embedder
+
+    make_tiny("bert").save(tmp_path / "m")
+    plain = Embedder.load(tmp_path / "m")
+    assert plain.autocast is None and next(plain.parameters()).device.type == "cpu"
+    bf16 = Embedder.load(tmp_path / "m", device="cpu", dtype="bfloat16")
+    assert bf16.autocast == torch.bfloat16
+    texts = ["a short text", "another somewhat longer text about embeddings"]
+    a, b = plain.encode(texts), bf16.encode(texts)
+    assert not np.array_equal(a, b) and (a * b).sum(1).min() > 0.99  # bf16 ran, and is close
+    np.testing.assert_array_equal(bf16.encode(texts), plain.encode(texts, bf16=True))
+    with pytest.raises(MoembedError, match="dtype: unknown 'half'; choose one of auto, float32"):
+        Embedder.load(tmp_path / "m", dtype="half")
+    with pytest.raises(MoembedError, match="device: unknown 'gpu'; choose one of"):
+        Embedder.load(tmp_path / "m", device="gpu")
+    with pytest.raises(MoembedError, match="device: unknown 'tpu'"):
+        plain.encode(texts, device="tpu")
+    assert resolve_dtype("auto", torch.device("cpu")) is None
+    assert resolve_dtype("auto", torch.device("cuda")) == resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("fp16", torch.device("cuda")) == torch.float16

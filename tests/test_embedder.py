@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moembed.errors import MoembedError
-from moembed.model.pooling import dequantize_int8, int8_ranges, quantize_int8, unpack_binary
+from moembed.model.pooling import dequantize_scalar, int8_ranges, pack_bits, quantize_scalar, unpack_bits
 
 
 @pytest.fixture(scope="module")
@@ -68,26 +68,36 @@ def test_matryoshka_truncation(make_tiny):
 
 def test_prompts_are_prefixed(make_tiny):
     emb = make_tiny()
-    np.testing.assert_allclose(emb.encode(["x"], prompt="search_query"), emb.encode(["search_query: x"]), atol=1e-6)
-    with pytest.raises(MoembedError, match="unknown name 'nope'"):
-        emb.encode(["x"], prompt="nope")
+    want = emb.encode(["search_query: x"])
+    np.testing.assert_allclose(emb.encode(["x"], prompt_name="search_query"), want, atol=1e-6)
+    np.testing.assert_allclose(emb.encode(["x"], prompt="search_query: "), want, atol=1e-6)  # a literal prefix
+    with pytest.raises(MoembedError, match="unknown name 'nope'; this model knows: classification, clustering, search_d"):
+        emb.encode(["x"], prompt_name="nope")
+    with pytest.raises(MoembedError, match="prompt and prompt_name: give one"):
+        emb.encode(["x"], prompt_name="search_query", prompt="search_query: ")
 
 
 def test_int8_round_trip():
     rng = np.random.default_rng(0)
     cal = rng.normal(size=(500, 16)).astype(np.float32)
     ranges = int8_ranges(cal)
-    q = quantize_int8(cal, ranges)
-    assert q.dtype == np.int8 and q.min() >= -128 and q.max() <= 127
     step = (ranges[1] - ranges[0]) / 255
-    assert np.all(np.abs(dequantize_int8(q, ranges) - cal) <= step / 2 + 1e-6)
+    for precision, dtype in (("int8", np.int8), ("uint8", np.uint8)):
+        q = quantize_scalar(cal, ranges, precision)
+        assert q.dtype == dtype and q.min() == np.iinfo(dtype).min and q.max() == np.iinfo(dtype).max
+        assert np.all(np.abs(dequantize_scalar(q, ranges) - cal) <= step / 2 + 1e-5)  # bucket centres
+    outside = quantize_scalar(np.stack([ranges[0] - 1, ranges[1] + 1]), ranges, "int8")
+    assert (outside[0] == -128).all() and (outside[1] == 127).all()  # clipped, not wrapped
 
 
 def test_binary_round_trip():
     x = np.array([[0.5, -0.1, 0.2, -3.0, 1.0, 0.0, 2.0, -1.0, 0.3]], dtype=np.float32)
-    b = __import__("moembed.model.pooling", fromlist=["binarize"]).binarize(x)
-    assert b.shape == (1, 2) and b.dtype == np.uint8
-    np.testing.assert_array_equal(unpack_binary(b, 9), np.where(x > 0, 1.0, -1.0))
+    u, s = pack_bits(x, "ubinary"), pack_bits(x, "binary")
+    assert u.shape == s.shape == (1, 2) and u.dtype == np.uint8 and s.dtype == np.int8
+    np.testing.assert_array_equal(u, [[0b10101010, 0b10000000]])  # big-endian bits of x > 0
+    np.testing.assert_array_equal(s.astype(int), u.astype(int) - 128)
+    for b in (u, s):
+        np.testing.assert_array_equal(unpack_bits(b, 9), np.where(x > 0, 1.0, -1.0))
 
 
 def test_encode_precisions(make_tiny):
@@ -99,9 +109,12 @@ def test_encode_precisions(make_tiny):
     q = emb.encode(texts, precision="int8", dim=16)
     assert q.shape == (30, 16) and q.dtype == np.int8
     f = emb.encode(texts, dim=16)
-    np.testing.assert_allclose(dequantize_int8(q, emb.int8_ranges(16)), f, atol=2 * np.ptp(f, 0).max() / 255)
-    b = emb.encode(texts, precision="binary")
-    assert b.shape == (30, 4) and b.dtype == np.uint8
+    np.testing.assert_allclose(dequantize_scalar(q, emb.int8_ranges(16)), f, atol=np.ptp(f, 0).max() / 255)
+    u = emb.encode(texts, precision="uint8", truncate_dim=16)
+    np.testing.assert_array_equal(u.astype(int), q.astype(int) + 128)
+    b, ub = emb.encode(texts, precision="binary"), emb.encode(texts, precision="ubinary")
+    assert b.shape == ub.shape == (30, 4) and b.dtype == np.int8 and ub.dtype == np.uint8
+    np.testing.assert_array_equal(ub, np.packbits(emb.encode(texts) > 0, axis=-1))
 
 
 def test_bad_arguments(make_tiny):
@@ -132,3 +145,43 @@ def test_encode_does_not_track_gradients_and_restores_mode(make_tiny):
     assert emb.training
     assert all(p.grad is None for p in emb.parameters())
     assert torch.is_grad_enabled()
+
+
+def test_sentence_transformers_arguments_on_a_tiny_model(make_tiny):
+    emb = make_tiny()
+    texts = ["a text", "another text here"]
+    x = emb.encode(texts)
+    np.testing.assert_array_equal(emb.encode_query(texts), emb.encode(texts, prompt_name="search_query"))
+    np.testing.assert_array_equal(emb.encode_document(texts), emb.encode(texts, prompt_name="search_document"))
+    np.testing.assert_array_equal(emb.encode_query(texts, prompt="q: "), emb.encode(["q: " + t for t in texts]))
+    emb.prompts = {}
+    np.testing.assert_array_equal(emb.encode_query(texts), x)  # no query prompt: no prefix
+    # older names are aliases; both at once is an error
+    np.testing.assert_array_equal(emb.encode(texts, dim=8), emb.encode(texts, truncate_dim=8))
+    np.testing.assert_array_equal(emb.encode(texts, normalize=False), emb.encode(texts, normalize_embeddings=False))
+    with pytest.raises(MoembedError, match="dim: an alias of truncate_dim; give one of them, not both"):
+        emb.encode(texts, dim=8, truncate_dim=8)
+    t = emb.encode(texts, convert_to_tensor=True)
+    assert isinstance(t, torch.Tensor) and torch.equal(t, torch.from_numpy(x))
+    with pytest.raises(MoembedError, match="output_value: unknown 'pooled'; choose one of sentence_embedding"):
+        emb.encode(texts, output_value="pooled")
+    with pytest.raises(MoembedError, match="precision: unknown 'fp8'; choose one of float32, int8, uint8, binary"):
+        emb.encode(texts, precision="fp8")
+    tokens = emb.encode(texts, output_value="token_embeddings")
+    assert [tuple(r.shape) for r in tokens] == [(len(i), 32) for i in emb.token_ids(texts)[0]]
+
+
+def test_similarity_functions(make_tiny):
+    emb = make_tiny()
+    a, b = emb.encode(["a", "b", "c"], normalize_embeddings=False), emb.encode(["d", "e"], normalize_embeddings=False)
+    cos = emb.similarity(a, b)
+    want = (a / np.linalg.norm(a, axis=1, keepdims=True)) @ (b / np.linalg.norm(b, axis=1, keepdims=True)).T
+    assert isinstance(cos, torch.Tensor) and cos.shape == (3, 2)
+    np.testing.assert_allclose(cos.numpy(), want, atol=1e-6)
+    emb.similarity_fn_name = "dot"
+    np.testing.assert_allclose(emb.similarity(a, b).numpy(), a @ b.T, atol=1e-5)
+    np.testing.assert_allclose(emb.similarity_pairwise(a[:2], b).numpy(), (a[:2] * b).sum(1), atol=1e-5)
+    with pytest.raises(MoembedError, match="similarity_fn_name: unknown 'l2'; choose one of cosine, dot"):
+        emb.similarity_fn_name = "l2"
+    with pytest.raises(MoembedError, match="similarity_pairwise: shapes"):
+        emb.similarity_pairwise(a, b)

@@ -154,7 +154,7 @@ def test_sentence_transformers_teacher_fallback(tmp_path, minilm_path):
     ref = st.encode(texts, convert_to_numpy=True)
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
     assert x.shape == (3, 32) and np.allclose(x, ref, atol=1e-5)
-    with pytest.raises(MoembedError, match="not a model directory"):
+    with pytest.raises(MoembedError, match="missing: no such directory; moembed reads models from local directories"):
         load_teacher(tmp_path / "missing")
 
 

@@ -45,6 +45,21 @@ def test_export_tiny_bert_round_trip(make_tiny, tmp_path):
     np.testing.assert_allclose(Embedder.load(tmp_path / "st").encode(TEXTS), emb.encode(TEXTS), atol=1e-6)
 
 
+def test_similarity_function_is_kept_and_exported(make_tiny, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    emb = make_tiny("bert")
+    emb.similarity_fn_name = "dot"
+    emb.save(tmp_path / "m")
+    assert Embedder.load(tmp_path / "m").similarity_fn_name == "dot"
+    export_sentence_transformers(emb, tmp_path / "st")
+    assert Embedder.load(tmp_path / "st").similarity_fn_name == "dot"
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu", local_files_only=True)
+    assert st.similarity_fn_name == "dot"
+    assert Embedder.load(tmp_path / "st").similarity(st.encode(TEXTS), st.encode(TEXTS)).allclose(
+        st.similarity(st.encode(TEXTS), st.encode(TEXTS)), atol=1e-5)
+
+
 @pytest.fixture
 def saved(make_tiny, tmp_path):
     make_tiny().save(tmp_path / "m")
@@ -93,8 +108,21 @@ def test_weights_that_do_not_match_the_config(make_tiny, saved):
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(MoembedError, match="not a model directory"):
+    with pytest.raises(MoembedError, match="nothing: no such directory; moembed reads models from local directories"):
         Embedder.load(tmp_path / "nothing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(MoembedError, match="not a model directory"):
+        Embedder.load(tmp_path / "file")
+
+
+def test_hub_name_says_how_to_get_a_local_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no such relative directory here
+    with pytest.raises(MoembedError) as e:
+        Embedder.load("sentence-transformers/all-MiniLM-L6-v2")
+    msg = str(e.value)
+    assert "looks like a Hugging Face Hub name" in msg and "local directories only" in msg
+    assert "huggingface-cli download sentence-transformers/all-MiniLM-L6-v2 --local-dir DIR" in msg
+    assert "SentenceTransformer('sentence-transformers/all-MiniLM-L6-v2').save('DIR')" in msg
 
 
 def test_unsupported_architecture(tmp_path):

@@ -433,7 +433,7 @@ def test_sentence_transformers_export_of_moe_model(make_tiny, tmp_path):
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cos.min() >= 0.99999
     q = st.encode(texts[:2], prompt_name="search_query")
-    np.testing.assert_allclose(q, emb.encode(texts[:2], prompt="search_query"), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(q, emb.encode(texts[:2], prompt_name="search_query"), rtol=1e-4, atol=1e-5)
 
 
 def test_cli_upcycle_and_info_probe(make_tiny, tmp_path):

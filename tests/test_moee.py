@@ -244,8 +244,8 @@ def test_sum_model_is_batch_independent_and_rejects_dim_precision(sources):
     model = SumModel(sources["mixtral"], alpha=1.0)
     batched = model.encode(TEXTS, batch_size=len(TEXTS))
     np.testing.assert_allclose(model.encode(TEXTS[3]), batched[3], atol=1e-5)
-    with pytest.raises(MoembedError, match="^dim"):
-        model.encode(TEXTS, dim=8)
+    with pytest.raises(MoembedError, match="^truncate_dim"):
+        model.encode(TEXTS, truncate_dim=8)
     with pytest.raises(MoembedError, match="^precision"):
         model.encode(TEXTS, precision="int8")
     assert model.prompts == {} and isinstance(model.name, str)
@@ -348,7 +348,7 @@ def test_encoder_sum_model_and_cli(tiny_moe, tmp_path):
 
     model = SumModel(EncoderMoESource(tiny_moe), alpha=0.5)
     f = model.features(TEXTS)
-    e = model.encode(TEXTS, prompt="search_query")
+    e = model.encode(TEXTS, prompt_name="search_query")
     np.testing.assert_allclose(e[:, : model.split], combine(model.features(TEXTS, "search_query"), "hs").numpy(), atol=1e-6)
     hs, rw = combine(f, "hs").numpy(), combine(f, "rw").numpy()
     e0 = model.encode(TEXTS)

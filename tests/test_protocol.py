@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moembed.model.protocol import DerivesViews, EmbeddingModel, OwnSimilarity, Quantizes
+from moembed.model.protocol import DerivesViews, EmbeddingModel, OwnSimilarity, Quantizes, own_similarity
 
 TEXTS = ["a short one", "a rather longer text with many more words in it than the others", "mid-length text here",
          "x", "another text of some length"]
@@ -21,11 +21,15 @@ def test_models_declare_what_they_can_do(make_tiny):
 
     emb = make_tiny("bert", moe={"num_experts": 2, "top_k": 1, "layers": [1]})
     assert isinstance(emb, EmbeddingModel) and isinstance(emb, DerivesViews) and isinstance(emb, Quantizes)
-    assert not isinstance(emb, OwnSimilarity)
+    assert not own_similarity(emb)  # its similarity is the cosine eval computes itself
+    emb.similarity_fn_name = "dot"
+    assert own_similarity(emb)
+    emb.similarity_fn_name = "cosine"
     src = EncoderMoESource(emb)
     for m in (MoEEModel(src, "concat"), SumModel(src, 0.5)):
         assert isinstance(m, EmbeddingModel) and not isinstance(m, (DerivesViews, Quantizes))
     assert isinstance(SumModel(src, 0.5), OwnSimilarity) and not isinstance(MoEEModel(src, "rw"), OwnSimilarity)
+    assert own_similarity(SumModel(src, 0.5))
 
 
 def test_sentence_transformers_teacher_is_an_embedding_model(minilm_path):
@@ -111,7 +115,7 @@ def test_embedder_layers_token_ids_embed_ids_encode(make_tiny):
     assert (ids, truncated) == emb.tokenizer.encode_ids(["search_query: " + t for t in TEXTS])
     raw = emb.embed_ids(ids)  # one padded forward, not normalised
     assert raw.shape == (len(TEXTS), 32) and raw.dtype == torch.float32
-    np.testing.assert_allclose(emb.encode(TEXTS, prompt="search_query", normalize=False), raw.numpy(), atol=1e-5)
+    np.testing.assert_allclose(emb.encode(TEXTS, prompt_name="search_query", normalize_embeddings=False), raw.numpy(), atol=1e-5)
     calls = []
     emb.embed_tensor(TEXTS, batch_size=2, progress=lambda done, total: calls.append((done, total)))
     assert calls == [(2, 5), (4, 5), (5, 5)]

@@ -76,9 +76,9 @@ def embedders(model_dirs):
 
 
 def expected(emb, texts, input_type=None, dim=None, precision="float32"):
-    """What Embedder.encode returns for the same request (prompt names and precision names mapped)."""
+    """What Embedder.encode returns for the same request (input types mapped to prompt names)."""
     prompt = {"query": "search_query", "document": "search_document"}.get(input_type)
-    return emb.encode(texts, prompt=prompt, dim=dim, precision={"ubinary": "binary"}.get(precision, precision))
+    return emb.encode(texts, prompt_name=prompt, truncate_dim=dim, precision=precision)
 
 
 class Spy:

@@ -30,7 +30,7 @@ def encode(
     plain: bool = typer.Option(False, help="read plain text lines (same as --format text)"),
     prompt: str = typer.Option(None, help="task prefix name, e.g. search_query"),
     dim: int = typer.Option(None, help="Matryoshka truncation to the first DIM components"),
-    precision: str = typer.Option("float32", help="output precision: float32 | int8 | binary"),
+    precision: str = typer.Option("float32", help="float32 | int8 | uint8 | binary | ubinary"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     chunk_size: int = typer.Option(4096, help="texts read, embedded and written at a time (the unit of resumption)"),
     max_length: int = typer.Option(None, help="tokens per text (default: the model's)"),

@@ -34,7 +34,7 @@ def _precisions(value: str) -> list[str]:
     return out or ["float32"]
 
 
-def _load_model(path: Path, moee_sum: float | None):
+def _load_model(path: Path, moee_sum: float | None, device: str = "auto"):
     """The model and the hash of its weights file (model.safetensors when present), for the results."""
     from moembed.eval.encoding import file_hash
 
@@ -42,11 +42,11 @@ def _load_model(path: Path, moee_sum: float | None):
         from moembed.moee.combine import load_moee
 
         # The MoEE model's embeddings differ from its source model's: its key covers mode and settings.
-        model = load_moee(path, mode="sum", alpha=moee_sum)
+        model = load_moee(path, mode="sum", alpha=moee_sum, device=device)
         return model, model.settings_key()
     from moembed.model.embedder import Embedder
 
-    model = Embedder.load(path)
+    model = Embedder.load(path, device=device)
     st = path / "model.safetensors"
     return model, file_hash(st) if st.exists() else model.settings_key()
 
@@ -58,13 +58,14 @@ def eval_cmd(
     suite: str = typer.Option(None, help="add a built-in suite: dev"),
     suite_dir: Path = typer.Option(None, help="suite location (default: CACHE_DIR/dev-suite or OUT/dev-suite)"),
     dims: str = typer.Option(None, help="Matryoshka dimensions to sweep, e.g. 384,256,128"),
-    precisions: str = typer.Option("float32", help="output precisions to sweep: float32,int8,binary"),
+    precisions: str = typer.Option("float32", help="output precisions to sweep: float32,int8,uint8,binary,ubinary"),
     max_lengths: str = typer.Option(None, help="retrieval at these maximum lengths (with and without Dynamic NTK)"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     cache_dir: Path = typer.Option(None, help="cache embeddings here, keyed by model hash, texts, prompt, dim"),
     faiss: bool = typer.Option(False, "--faiss", help="search retrieval corpora with a FAISS flat index"),
     moee_sum: float = typer.Option(None, help="score with MoEE(sum): cos(HS) + ALPHA·cos(RW)"),
     name: str = typer.Option(None, help="model name in the results (default: the model's own)"),
+    device: str = typer.Option("auto", help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)"),
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm
@@ -90,7 +91,7 @@ def eval_cmd(
         raise MoembedError(f"--batch-size: must be >= 1, got {batch_size}")
     loaded = [load_task(d) for d in dirs]  # every task is validated before any model work
     lengths, dim_list, precs = _ints(max_lengths, "--max-lengths"), _ints(dims, "--dims"), _precisions(precisions)
-    emb, model_hash = _load_model(model, moee_sum)
+    emb, model_hash = _load_model(model, moee_sum, device)
     cache = EmbeddingCache(cache_dir) if cache_dir else None
     if dim_list or precs != ["float32"]:
         results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=True)

@@ -27,6 +27,7 @@ def moee(
     plain: bool = typer.Option(False, help="read plain text lines instead of JSON strings"),
     bf16: bool = typer.Option(True, "--bf16/--no-bf16", help="bfloat16 weights (language models) or autocast (encoders)"),
     load_in_8bit: bool = typer.Option(False, help="8-bit weights through bitsandbytes (language models)"),
+    device: str = typer.Option("auto", help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)"),
 ) -> None:
     """Embed texts with the hidden state, the routing weights, or both, of an MoE model (no training)."""
     import numpy as np
@@ -49,18 +50,19 @@ def moee(
     if is_hf_moe_dir(model):
         extract = ExtractConfig(rw_pooling=pooling or "last", hs_pooling=pooling or "last", hs_layers=hs_layers)
         source = load_source(model, extract=extract, prompt=prompt, bf16=bf16, load_in_8bit=load_in_8bit,
-                             max_length=max_length)
+                             max_length=max_length, device=device)
         prompt_name = None  # the template is the source's default
     else:
         if pooling == "last" or hs_layers != "last":
             raise MoembedError("--pooling/--hs-layers: apply to language models; an encoder's HS is its pooled "
                                "output and its RW the mean over tokens")
-        source = load_source(model, bf16=bf16, load_in_8bit=load_in_8bit, max_length=max_length)
+        source = load_source(model, bf16=bf16, load_in_8bit=load_in_8bit, max_length=max_length, device=device)
         if prompt is not None and prompt not in source.prompts:
             known = ", ".join(sorted(source.prompts)) or "none"
             raise MoembedError(f"--prompt: unknown name {prompt!r}; this model knows: {known}")
         prompt_name = prompt
-    x = MoEEModel(source, mode).encode(texts, prompt=prompt_name, batch_size=batch_size, show_progress=True)
+    x = MoEEModel(source, mode).encode(texts, prompt_name=prompt_name, batch_size=batch_size,
+                                        show_progress_bar=True)
     with atomic_path(output) as tmp, open(tmp, "wb") as fh:
         np.save(fh, x)
     typer.echo(f"moembed: wrote {x.shape[0]} x {x.shape[1]} {x.dtype} ({mode}) to {output}", err=True)

@@ -34,6 +34,7 @@ from moembed.data.mining import MiningConfig, mine
 from moembed.data.pairs import ReadStats, iter_shards
 from moembed.data.search import BACKENDS
 from moembed.data.teacher import Teacher, embed, load_teacher
+from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
 
@@ -50,11 +51,13 @@ class CurateConfig(BaseModel):
     backend: str = "auto"
     bf16: bool = False
     cache_embeddings: bool = False
+    device: str = "cpu"  # where the teacher runs: cpu | cuda | cuda:N | mps | auto (moembed.devices)
 
     @model_validator(mode="after")
     def _check(self) -> CurateConfig:
         if self.top_k is None and self.mining is None:
             raise ValueError("nothing to do: set top_k (filtering) and/or mining")
+        resolve_device(self.device)  # an unknown or absent device fails here, listing the choices
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         return self
@@ -62,7 +65,7 @@ class CurateConfig(BaseModel):
 
 def _fingerprint(rows: list[dict], cfg: CurateConfig, teacher: str) -> str:
     h = hashlib.sha1()
-    settings = cfg.model_dump(exclude={"batch_size", "bf16", "cache_embeddings", "backend"})
+    settings = cfg.model_dump(exclude={"batch_size", "bf16", "cache_embeddings", "backend", "device"})
     h.update(json.dumps([settings, str(teacher)], sort_keys=True).encode())
     for r in rows:
         h.update(json.dumps(r, sort_keys=True, ensure_ascii=False).encode())
@@ -125,14 +128,15 @@ def _search_shard(rows, q_emb, q_pos, docs, d_emb, d_pos, cfg: CurateConfig) -> 
 class _LazyTeacher:
     """Loads the teacher on first use, so a fully resumed run never loads it. Also accepts a loaded `Teacher`."""
 
-    def __init__(self, teacher: Teacher | str | Path):
+    def __init__(self, teacher: Teacher | str | Path, device: str = "cpu"):
         loaded = not isinstance(teacher, (str, Path))
+        self.device = device
         self._model = teacher if loaded else None
         self.path = str(teacher.name) if loaded else str(teacher)
 
     def __call__(self):
         if self._model is None:
-            self._model = load_teacher(self.path)
+            self._model = load_teacher(self.path, self.device)
         return self._model
 
 
@@ -147,7 +151,7 @@ def curate(data, out, teacher, cfg: CurateConfig, work_dir=None, skip_bad: bool 
     if distributed.rank() == 0:
         work.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    teacher_fn = _LazyTeacher(teacher)
+    teacher_fn = _LazyTeacher(teacher, cfg.device)
     stats, per_source, shards, resumed = ReadStats(), {}, 0, 0
     timing = {"embed_seconds": 0.0, "search_seconds": 0.0}
     bar = tqdm(desc="curate", unit="pair", disable=not show_progress or distributed.rank() != 0)

@@ -3,7 +3,7 @@
 `load_teacher(path)` tries `Embedder.load` first (moembed, Hugging Face BERT, sentence-transformers over BERT).
 A sentence-transformers directory with another architecture (e.g. all-mpnet-base-v2, MPNet) falls back to
 `SentenceTransformerTeacher`. Both are `Teacher`s: `moembed.model.protocol.EmbeddingModel`s whose `encode` also
-takes `normalize` and `bf16`. `embed` embeds queries and documents L2-normalised (inner product = cosine) and,
+takes `normalize_embeddings` and `bf16`. `embed` embeds queries and documents L2-normalised (inner product = cosine) and,
 under torchrun, splits the texts across ranks.
 """
 
@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from moembed import distributed
+from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.model.embedder import Embedder
 from moembed.model.protocol import EmbeddingModel, weights_key
@@ -23,36 +24,43 @@ from moembed.model.protocol import EmbeddingModel, weights_key
 
 @runtime_checkable
 class Teacher(EmbeddingModel, Protocol):
-    """An embedding model whose `encode` also takes `normalize` (L2, for cosine search) and `bf16` (autocast)."""
+    """An embedding model whose `encode` also takes `normalize_embeddings` (L2, for cosine search) and `bf16`
+    (autocast)."""
 
-    def encode(self, texts: list[str] | str, prompt: str | None = None, dim: int | None = None,
-               precision: str = "float32", batch_size: int = 32, normalize: bool | None = None,
-               show_progress: bool = False, bf16: bool = False) -> np.ndarray: ...
+    def encode(self, texts: list[str] | str, prompt_name: str | None = None, prompt: str | None = None, *,
+               truncate_dim: int | None = None, precision: str = "float32", batch_size: int = 32,
+               normalize_embeddings: bool | None = None, show_progress_bar: bool = False,
+               bf16: bool = False) -> np.ndarray: ...
 
 
 class SentenceTransformerTeacher:
     """A `sentence_transformers.SentenceTransformer` as a `Teacher` (float32 only)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str | None = "cpu"):
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:
             raise MoembedError(f"{path}: needs sentence-transformers; run `pip install sentence-transformers`") from None
-        self.model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+        self.model = SentenceTransformer(str(path), device=str(resolve_device(device)), local_files_only=True)
         self.name = Path(path).name
         self.prompts = dict(self.model.prompts or {})
         dim_fn = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = dim_fn()
 
-    def encode(self, texts, prompt=None, dim=None, precision="float32", batch_size=32, normalize=True,
-               show_progress=False, bf16=False) -> np.ndarray:
+    def encode(self, texts, prompt_name=None, prompt=None, *, truncate_dim=None, precision="float32", batch_size=32,
+               normalize_embeddings=True, show_progress_bar=False, bf16=False) -> np.ndarray:
         if precision != "float32":
             raise MoembedError(f"precision: a sentence-transformers teacher gives float32 only, not {precision!r}")
-        prefix = self.prompts.get(prompt, "") if prompt else ""
+        if prompt is not None and prompt_name is not None:
+            raise MoembedError(f"prompt and prompt_name: give one, not both (got {prompt!r} and {prompt_name!r})")
+        if prompt_name is not None and prompt_name not in self.prompts:
+            known = ", ".join(sorted(self.prompts)) or "none"
+            raise MoembedError(f"prompt_name: unknown {prompt_name!r}; this model knows: {known}")
+        prefix = prompt if prompt is not None else self.prompts.get(prompt_name, "") if prompt_name else ""
         x = self.model.encode([prefix + t for t in texts], batch_size=batch_size, convert_to_numpy=True,
-                              normalize_embeddings=False, show_progress_bar=show_progress)
-        x = x[:, :dim] if dim else x
-        if normalize:
+                              normalize_embeddings=False, show_progress_bar=show_progress_bar)
+        x = x[:, :truncate_dim] if truncate_dim else x
+        if normalize_embeddings:
             x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
         return x.astype(np.float32)
 
@@ -60,10 +68,10 @@ class SentenceTransformerTeacher:
         return weights_key(self.model)
 
 
-def load_teacher(path: str | Path) -> Teacher:
-    """An `Embedder` when moembed reads the directory, else a `SentenceTransformerTeacher`."""
+def load_teacher(path: str | Path, device: str | None = "cpu") -> Teacher:
+    """An `Embedder` when moembed reads the directory, else a `SentenceTransformerTeacher`, on `device`."""
     try:
-        return Embedder.load(path)
+        return Embedder.load(path, device=device)
     except MoembedError as first:
         modules = Path(path) / "modules.json"
         if not modules.exists():
@@ -72,7 +80,7 @@ def load_teacher(path: str | Path) -> Teacher:
             json.loads(modules.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             raise first from None
-        return SentenceTransformerTeacher(path)
+        return SentenceTransformerTeacher(path, device)
 
 
 def _prompt(teacher: Teacher, name: str) -> str | None:
@@ -90,8 +98,8 @@ def embed(teacher: Teacher, texts: list[str], role: str, batch_size: int = 32, b
     prompt = _prompt(teacher, "search_query" if role == "query" else "search_document")
     rank, world = distributed.rank(), distributed.world_size()
     mine = texts[rank::world]
-    x = teacher.encode(mine, prompt=prompt, batch_size=batch_size, normalize=True, show_progress=show_progress,
-                       bf16=bf16) if mine else None
+    x = teacher.encode(mine, prompt_name=prompt, batch_size=batch_size, normalize_embeddings=True,
+                       show_progress_bar=show_progress, bf16=bf16) if mine else None
     if world == 1:
         return x if x is not None else np.zeros((0, 0), np.float32)
     parts = distributed.all_gather_object(x)

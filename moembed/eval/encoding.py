@@ -1,11 +1,11 @@
 """Embedding texts for evaluation: Matryoshka dim, output precision, an optional disk cache, and similarity.
 
-A model is a `moembed.model.protocol.EmbeddingModel`: `encode(texts, prompt=None, dim=None, precision="float32",
-batch_size=32)`, `name`, `prompts`, `dim`, `settings_key()` (the cache key; only needed with a cache). Scores go
-through the model's own `similarity(a, b) -> (n, m)` when it has that capability (`OwnSimilarity`, the MoEE sum
-form), through cosine similarity otherwise. Quantised outputs are mapped back to float vectors before scoring:
-int8 codes are dequantised with the model's calibration ranges (arctic-embed-2 §2.5) and packed binary codes are
-unpacked to ±1, whose inner product is d − 2·Hamming distance, so rankings equal Hamming ones.
+A model is a `moembed.model.protocol.EmbeddingModel`: `encode(texts, prompt_name=None, truncate_dim=None,
+precision="float32", batch_size=32)`, `name`, `prompts`, `dim`, `settings_key()` (the cache key; only needed with a cache). Scores go
+through the model's own `similarity(a, b) -> (n, m)` when it is not plain cosine (`own_similarity`: the MoEE sum
+form, an Embedder with similarity_fn_name "dot"), through cosine similarity otherwise. Quantised outputs are mapped back to float vectors before scoring:
+int8 / uint8 codes are dequantised with the model's calibration ranges (arctic-embed-2 §2.5) and packed binary
+codes (signed "binary" or unsigned "ubinary": the same bits) are unpacked to ±1, whose inner product is d − 2·Hamming distance, so rankings equal Hamming ones.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
-from moembed.model.protocol import DerivesViews, OwnSimilarity, Quantizes
+from moembed.model.protocol import DerivesViews, Quantizes, own_similarity
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,10 @@ class EmbeddingCache:
         model_key = model.settings_key()
         key = {"model": model_key, "texts": h.hexdigest(), "prompt": prompt, "dim": view.dim,
                "precision": view.precision}
-        if view.precision == "int8" and isinstance(model, Quantizes) and model.calibration is not None:
-            # int8 codes depend on the calibration ranges
+        if view.precision in ("int8", "uint8") and isinstance(model, Quantizes) and model.calibration is not None:
+            # the codes depend on the calibration ranges and on the bucketing (floor into 256 buckets, as
+            # sentence-transformers' quantize_embeddings; earlier entries rounded)
+            key["quantizer"] = "floor256"
             key["calibration"] = hashlib.sha256(np.ascontiguousarray(model.calibration).tobytes()).hexdigest()[:16]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return self.dir / model_key / f"{digest}.npy"
@@ -81,7 +83,7 @@ def _derivable(model, view: View) -> bool:
 
 
 def derive(model: DerivesViews, full: np.ndarray, view: View) -> np.ndarray:
-    """The `model.encode(dim=view.dim, precision=view.precision)` output from full-dim float32 embeddings."""
+    """The `model.encode(truncate_dim=view.dim, precision=view.precision)` output from full-dim float32 embeddings."""
     import torch
 
     return model.postprocess(torch.from_numpy(full), view.dim, view.precision)
@@ -103,7 +105,8 @@ def encode_raw(model, texts: list[str], prompt: str | None, view: View, cache: E
     path = cache.path(model, texts, prompt, view) if cache else None
     raw = cache.get(path) if cache else None
     if raw is None:
-        raw = model.encode(texts, prompt=prompt, dim=view.dim, precision=view.precision, batch_size=view.batch_size)
+        raw = model.encode(texts, prompt_name=prompt, truncate_dim=view.dim, precision=view.precision,
+                           batch_size=view.batch_size)
         raw = np.asarray(raw)
         if cache:
             cache.put(path, raw)
@@ -114,14 +117,14 @@ def to_float(model, raw: np.ndarray, view: View) -> np.ndarray:
     """Map an encode output of `view.precision` back to float32 vectors."""
     if view.precision == "float32":
         return raw.astype(np.float32, copy=False)
-    from moembed.model.pooling import dequantize_int8, unpack_binary
+    from moembed.model.pooling import SCALAR, dequantize_scalar, unpack_bits
 
-    if view.precision == "int8":
+    if view.precision in SCALAR:
         if not isinstance(model, Quantizes):
-            raise MoembedError(f"precision int8: model {model.name!r} has no int8 output")
-        return dequantize_int8(raw, model.int8_ranges(view.dim))
-    if view.precision == "binary":
-        return unpack_binary(raw, view.dim or model.dim)
+            raise MoembedError(f"precision {view.precision}: model {model.name!r} has no scalar-quantised output")
+        return dequantize_scalar(raw, model.int8_ranges(view.dim))
+    if view.precision in ("binary", "ubinary"):
+        return unpack_bits(raw, view.dim or model.dim)
     raise MoembedError(f"precision: unknown {view.precision!r}")
 
 
@@ -132,14 +135,14 @@ def normalize(x: np.ndarray) -> np.ndarray:
 
 def similarity(model, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Scores (n, m) of rows of `a` against rows of `b`: the model's own similarity if it has one, else cosine."""
-    if isinstance(model, OwnSimilarity):
+    if own_similarity(model):
         return np.asarray(model.similarity(a, b), dtype=np.float32)
     return (normalize(a) @ normalize(b).T).astype(np.float32)
 
 
 def pairwise(model, a: np.ndarray, b: np.ndarray, block: int = 512) -> np.ndarray:
     """Scores (n,) of row i of `a` with row i of `b`, computed in blocks so memory stays (block, block)."""
-    if not isinstance(model, OwnSimilarity):
+    if not own_similarity(model):
         return np.sum(normalize(a) * normalize(b), axis=-1).astype(np.float32)
     out = [np.diagonal(similarity(model, a[s : s + block], b[s : s + block])) for s in range(0, len(a), block)]
     return np.concatenate(out).astype(np.float32)

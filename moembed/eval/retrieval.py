@@ -18,7 +18,7 @@ from moembed.eval import readers
 from moembed.eval.encoding import EmbeddingCache, View, encode, normalize, similarity
 from moembed.eval.metrics import retrieval_scores
 from moembed.eval.task import RunOptions, Task, TaskType
-from moembed.model.protocol import OwnSimilarity
+from moembed.model.protocol import own_similarity
 
 TOP_K = 100
 
@@ -72,7 +72,7 @@ def search(model, q: np.ndarray, corpus_chunks, k: int = TOP_K, query_block: int
 def run_retrieval(model, task: Task, view: View, cache: EmbeddingCache | None = None, chunk_size: int = 10_000,
                   query_block: int = 256, use_faiss: bool = False) -> dict[str, float]:
     """Scores of `model` on a loaded retrieval task."""
-    if use_faiss and isinstance(model, OwnSimilarity):
+    if use_faiss and own_similarity(model):
         raise MoembedError("--faiss: this model scores with its own similarity function; FAISS needs cosine")
     data = task.data
     qids = sorted(data["qrels"])

@@ -24,7 +24,7 @@ from moembed.eval.registry import TASK_TYPES
 from moembed.eval.runner import TaskResult, run_task
 from moembed.eval.task import Task
 from moembed.model.embedder import Embedder
-from moembed.model.protocol import OwnSimilarity, Quantizes
+from moembed.model.protocol import Quantizes, own_similarity
 
 
 def retained(results: list[TaskResult]) -> list[TaskResult]:
@@ -53,7 +53,7 @@ def ensure_int8(model, tasks: Sequence[Task]) -> str:
         return "int8 ranges from the model's stored calibration"
     texts = calibration_texts(tasks)
     prompt = "search_document" if "search_document" in (model.prompts or {}) else None
-    model.calibrate(texts, prompt=prompt)
+    model.calibrate(texts, prompt_name=prompt)
     return f"int8 ranges calibrated on {len(texts)} task texts"
 
 
@@ -61,7 +61,7 @@ def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, p
                      batch_size: int = 32, cache: EmbeddingCache | None = None, use_faiss: bool = False,
                      progress: bool = False) -> list[TaskResult]:
     """Score every task at each (dim, precision); the full dim float32 run is always included as reference."""
-    if isinstance(model, OwnSimilarity) and (set(dims or []) - {model.dim} or set(precisions) - {"float32"}):
+    if own_similarity(model) and (set(dims or []) - {model.dim} or set(precisions) - {"float32"}):
         raise MoembedError("--dims/--precisions: this model scores with its own similarity; sweep the base model")
     full = model.dim
     dims = sorted({full, *(dims or [])}, reverse=True)
@@ -69,13 +69,13 @@ def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, p
         if not 1 <= d <= full:
             raise MoembedError(f"--dims: {d} is out of range 1..{full}")
     precisions = ["float32", *[p for p in precisions if p != "float32"]]
-    note = ensure_int8(model, tasks) if "int8" in precisions else ""
+    note = ensure_int8(model, tasks) if {"int8", "uint8"} & set(precisions) else ""
     out = []
     grid = [(p, d, t) for p in precisions for d in dims for t in tasks]
     for p, d, t in tqdm(grid, desc="sweep", unit="run", disable=not progress):
         r = run_task(model, t, View(d, p, batch_size), cache, use_faiss and p == "float32")
         r.extra["full_dim"] = d == full
-        r.note = note if p == "int8" else ""
+        r.note = note if p in ("int8", "uint8") else ""
         out.append(r)
     return retained(out)
 

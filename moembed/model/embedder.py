@@ -1,7 +1,11 @@
 """The Embedder: encoder + pooling + normalisation + task prefixes + Matryoshka + output precision.
 
-    >>> emb = Embedder.load("path/to/model")
-    >>> vecs = emb.encode(["what is a sparse MoE?"], prompt="search_query", dim=256)   # (1, 256) float32
+    >>> emb = Embedder.load("path/to/model", device="auto")
+    >>> q = emb.encode_query(["what is a sparse MoE?"], truncate_dim=256)      # (1, 256) float32, "search_query: "
+    >>> d = emb.encode(["Experts are MLPs."], prompt_name="search_document", precision="ubinary")   # (1, 48) uint8
+    >>> emb.similarity(q, emb.encode_document(["Experts are MLPs."], truncate_dim=256))     # (1, 1) tensor
+
+`encode` takes sentence-transformers' arguments with their meanings (docs/models.md maps every call).
 
 An embedding never depends on the other texts of its batch: batches are formed by length only to save padding
 (`moembed.model.inference`), padding is removed before any computation (encoder.py), and int8 ranges come from
@@ -12,6 +16,9 @@ Inference in three layers, each usable on its own:
     token_ids(texts, prefix)  → token-id lists (truncated to max_length)
     embed_ids(ids)            → (n, d) pooled float32, one padded forward pass, not normalised
     embed_tensor / encode     → length-sorted batches of the above; encode adds truncation, normalisation, precision
+
+Nothing here assumes a device: inputs go to the device of the weights; `autocast` (set by `load`'s dtype) picks
+bfloat16 / float16 autocast, e.g. on a GPU.
 """
 
 from __future__ import annotations
@@ -26,21 +33,24 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from moembed.devices import resolve_device, resolve_dtype
 from moembed.errors import MoembedError
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
-from moembed.model.inference import run_batches
+from moembed.model.inference import length_sorted_batches, run_batches
 from moembed.model.io import ModelParts, read_parts, save_parts
 from moembed.model.pooling import (
     POOLINGS,
     PRECISIONS,
-    binarize,
+    SCALAR,
     int8_ranges,
+    pack_bits,
     pool,
-    quantize_int8,
+    quantize_scalar,
     truncate,
 )
 from moembed.model.protocol import short_hash, weights_key
+from moembed.model.similarity import check_fn, similarity, similarity_pairwise
 from moembed.model.tokenizer import TextTokenizer
 from moembed.progress import Progress, bar
 
@@ -53,6 +63,16 @@ NOMIC_PROMPTS = {
     "classification": "classification: ",
     "clustering": "clustering: ",
 }
+OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
+
+
+def _alias(name: str, value, old: str, old_value):
+    """One value from an argument and its older moembed alias; both given is an error."""
+    if old_value is None:
+        return value
+    if value is not None:
+        raise MoembedError(f"{old}: an alias of {name}; give one of them, not both")
+    return old_value
 
 
 @dataclass
@@ -66,6 +86,8 @@ class Embedder(nn.Module):
 
     source_dir: the directory the model was loaded from (or last saved to); its tokenizer files are copied on save
     so that nothing of the original tokenizer configuration is lost. None for a model built in memory.
+    autocast: the dtype inference runs matmuls in (torch.bfloat16 / torch.float16), None for float32.
+    similarity_fn_name: "cosine" or "dot", what `similarity` computes.
     """
 
     def __init__(
@@ -78,6 +100,8 @@ class Embedder(nn.Module):
         name: str = "moembed-model",
         calibration: np.ndarray | None = None,
         source_dir: str | Path | None = None,
+        autocast: torch.dtype | None = None,
+        similarity_fn_name: str = "cosine",
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -90,6 +114,8 @@ class Embedder(nn.Module):
         self.name = name
         self.calibration = calibration  # (n, d) float32 sample of embeddings for int8 ranges, or None
         self.source_dir = Path(source_dir) if source_dir is not None else None
+        self.autocast = autocast
+        self.similarity_fn_name = similarity_fn_name
 
     @property
     def config(self) -> EncoderConfig:
@@ -107,7 +133,8 @@ class Embedder(nn.Module):
         """A new Embedder around `encoder` with this one's tokenizer and settings; keyword arguments (pooling,
         normalize, prompts, name, calibration, source_dir) replace them. Used by `moembed.model.convert`."""
         settings = dict(tokenizer=self.tokenizer, pooling=self.pooling, normalize=self.normalize, prompts=self.prompts,
-                        name=self.name, calibration=self.calibration, source_dir=self.source_dir)
+                        name=self.name, calibration=self.calibration, source_dir=self.source_dir,
+                        autocast=self.autocast, similarity_fn_name=self.similarity_fn_name)
         settings.update(changes)
         return Embedder(encoder, **settings).train(self.training)
 
@@ -125,8 +152,20 @@ class Embedder(nn.Module):
             return ""
         if prompt not in self.prompts:
             known = ", ".join(sorted(self.prompts)) or "none"
-            raise MoembedError(f"prompt: unknown name {prompt!r}; this model knows: {known}")
+            raise MoembedError(f"prompt_name: unknown name {prompt!r}; this model knows: {known}")
         return self.prompts[prompt]
+
+    def prompt_text(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        """The prefix for `encode`'s prompt arguments: the literal `prompt`, or the text of `prompt_name`.
+
+        Giving both raises (sentence-transformers silently prefers `prompt`; moembed refuses the ambiguity)."""
+        if prompt is not None and prompt_name is not None:
+            raise MoembedError(f"prompt and prompt_name: give one, not both (got {prompt!r} and {prompt_name!r})")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise MoembedError(f"prompt: expected a string, got {type(prompt).__name__}")
+            return prompt
+        return self.prefix(prompt_name)
 
     # ---- inference --------------------------------------------------------------------------------------------
 
@@ -152,14 +191,15 @@ class Embedder(nn.Module):
         texts: list[str],
         prefix: str = "",
         batch_size: int = 32,
-        bf16: bool = False,
+        amp: torch.dtype | None = None,
         show_progress: bool = False,
         desc: str = "encode",
         progress: Progress | None = None,
     ) -> torch.Tensor:
         """Pooled float32 embeddings (n, d), not normalised, in input order.
 
-        progress: called with (done, total) after each batch; show_progress draws a bar instead.
+        amp: autocast dtype (torch.bfloat16 / torch.float16) or None; progress: called with (done, total) after
+        each batch; show_progress draws a bar instead.
         """
         ids, truncated = self.token_ids(texts, prefix)
         if batch_size < 1:
@@ -169,41 +209,129 @@ class Embedder(nn.Module):
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
-        amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        cast = torch.autocast(device.type, dtype=amp) if amp is not None else nullcontext()
         try:
-            with amp, bar(desc, enabled=show_progress and progress is None) as shown:
+            with cast, bar(desc, enabled=show_progress and progress is None) as shown:
                 (out,) = run_batches(ids, batch_size, self.embed_ids, (self.dim,), progress or shown)
+        finally:
+            self.train(was_training)
+        return out
+
+    @torch.inference_mode()
+    def token_embeddings(self, texts: list[str], prefix: str = "", batch_size: int = 32,
+                         amp: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The last hidden states of each text's real tokens: one (tokens, hidden) float32 CPU tensor per text."""
+        ids, _ = self.token_ids(texts, prefix)
+        was_training = self.training
+        self.eval()
+        device = next(self.parameters()).device
+        out: list[torch.Tensor] = [torch.empty(0)] * len(ids)
+        cast = torch.autocast(device.type, dtype=amp) if amp is not None else nullcontext()
+        try:
+            with cast:
+                for idx in length_sorted_batches([len(x) for x in ids], batch_size):
+                    input_ids, mask = self.tokenizer.pad([ids[i] for i in idx])  # (B, T) each
+                    enc = self.encoder(input_ids.to(device), mask.to(device))
+                    lengths = enc.attention_mask.sum(1).tolist()
+                    # a sequence's tokens are contiguous and in order in the packed layout (encoder.py)
+                    for i, rows in zip(idx, enc.packed_hidden.float().cpu().split(lengths)):
+                        out[i] = rows  # (tokens_i, hidden)
         finally:
             self.train(was_training)
         return out
 
     def encode(
         self,
-        texts: list[str] | str,
+        sentences: list[str] | str,
+        prompt_name: str | None = None,
         prompt: str | None = None,
-        dim: int | None = None,
-        precision: str = "float32",
         batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value: str = "sentence_embedding",
+        precision: str = "float32",
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        device: str | None = None,
+        normalize_embeddings: bool | None = None,
+        truncate_dim: int | None = None,
+        *,
+        dim: int | None = None,
         normalize: bool | None = None,
-        show_progress: bool = False,
+        show_progress: bool | None = None,
         bf16: bool = False,
-    ) -> np.ndarray:
-        """Embed texts → numpy (n, dim): float32, int8, or packed binary uint8 (n, ceil(dim / 8)).
+    ) -> np.ndarray | torch.Tensor | list[torch.Tensor]:
+        """Embed sentences, with sentence-transformers' arguments and meanings (table in docs/models.md).
 
-        prompt: a prefix name from `self.prompts` (e.g. "search_query"); dim: Matryoshka truncation to the first
-        `dim` components (renormalised); normalize: L2-normalise (default: the model's setting).
+        prompt_name: a key of `self.prompts` (e.g. "search_query"); prompt: a literal prefix string (not both).
+        precision: "float32" | "int8" | "uint8" (codes of the stored calibration's ranges, see `calibrate`) |
+        "binary" (int8, signed packed bits) | "ubinary" (uint8, packed bits); packed outputs have ceil(dim / 8)
+        columns. truncate_dim: Matryoshka truncation to the first components. normalize_embeddings: L2-normalise
+        after truncation; None (default) follows the model (`self.normalize`), so a normalising model's truncated
+        vectors are unit length again. output_value: "sentence_embedding" or "token_embeddings" (a list of
+        (tokens, hidden) float32 tensors, one per sentence). device: move the model there first ("cpu", "cuda",
+        "mps", "auto"). Output: numpy (n, ·) by default; a tensor with convert_to_tensor; a list of (·,) tensors
+        with convert_to_numpy=False; one row for a single string.
+        Aliases (moembed's older names): dim = truncate_dim, normalize = normalize_embeddings, show_progress =
+        show_progress_bar. bf16: bfloat16 autocast for this call (else the autocast dtype `load` chose).
         """
-        single = isinstance(texts, str)
-        texts = [texts] if single else list(texts)
+        truncate_dim = _alias("truncate_dim", truncate_dim, "dim", dim)
+        normalize_embeddings = _alias("normalize_embeddings", normalize_embeddings, "normalize", normalize)
+        show = bool(_alias("show_progress_bar", show_progress_bar, "show_progress", show_progress))
+        single = isinstance(sentences, str)
+        texts = [sentences] if single else list(sentences)
         if precision not in PRECISIONS:
             raise MoembedError(f"precision: unknown {precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if dim is not None and not 1 <= dim <= self.dim:
-            raise MoembedError(f"dim: {dim} is out of range 1..{self.dim}")
-        if precision == "int8" and self.calibration is None:
-            raise MoembedError("precision: int8 needs calibration embeddings; call calibrate(texts) first")
-        emb = self.embed_tensor(texts, self.prefix(prompt), batch_size, bf16, show_progress)
-        x = self.postprocess(emb, dim, precision, normalize)
-        return x[0] if single else x
+        if output_value not in OUTPUT_VALUES:
+            raise MoembedError(f"output_value: unknown {output_value!r}; choose one of {', '.join(OUTPUT_VALUES)}")
+        if truncate_dim is not None and not 1 <= truncate_dim <= self.dim:
+            raise MoembedError(f"truncate_dim: {truncate_dim} is out of range 1..{self.dim}")
+        if precision in SCALAR and self.calibration is None:
+            raise MoembedError(f"precision: {precision} needs calibration embeddings; call calibrate(texts) first")
+        prefix = self.prompt_text(prompt_name, prompt)
+        if device is not None:
+            self.to(resolve_device(device))
+        amp = torch.bfloat16 if bf16 else self.autocast
+        if output_value == "token_embeddings":
+            tokens = self.token_embeddings(texts, prefix, batch_size, amp)
+            return tokens[0] if single else tokens
+        emb = self.embed_tensor(texts, prefix, batch_size, amp=amp, show_progress=show)
+        x = self.postprocess(emb, truncate_dim, precision, normalize_embeddings)
+        out = torch.from_numpy(x) if convert_to_tensor or not convert_to_numpy else x
+        if not convert_to_tensor and not convert_to_numpy:
+            out = list(out)
+        return out[0] if single else out
+
+    def encode_query(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
+                     **kwargs):
+        """`encode` with the model's query prompt ("query", else "search_query") unless a prompt is given."""
+        if prompt_name is None and prompt is None:
+            prompt_name = next((p for p in ("query", "search_query") if p in self.prompts), None)
+        return self.encode(sentences, prompt_name, prompt, **kwargs)
+
+    def encode_document(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
+                        **kwargs):
+        """`encode` with the model's document prompt ("document", "passage", else "search_document")."""
+        if prompt_name is None and prompt is None:
+            names = ("document", "passage", "corpus", "search_document")
+            prompt_name = next((p for p in names if p in self.prompts), None)
+        return self.encode(sentences, prompt_name, prompt, **kwargs)
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """"cosine" (default) or "dot": what `similarity` computes."""
+        return self._similarity_fn
+
+    @similarity_fn_name.setter
+    def similarity_fn_name(self, name: str) -> None:
+        self._similarity_fn = check_fn(name)
+
+    def similarity(self, a, b) -> torch.Tensor:
+        """Scores (n, m) float32 of embeddings a (n, d) against b (m, d), by `similarity_fn_name`."""
+        return similarity(a, b, self.similarity_fn_name)
+
+    def similarity_pairwise(self, a, b) -> torch.Tensor:
+        """Scores (n,) float32 of row i of a with row i of b."""
+        return similarity_pairwise(a, b, self.similarity_fn_name)
 
     def postprocess(self, emb: torch.Tensor, dim: int | None = None, precision: str = "float32",
                     normalize: bool | None = None) -> np.ndarray:
@@ -213,23 +341,28 @@ class Embedder(nn.Module):
         """
         norm = self.normalize if normalize is None else normalize
         x = truncate(emb, dim, norm).numpy()
-        if precision == "int8":
-            return quantize_int8(x, self.int8_ranges(dim, norm))
-        if precision == "binary":
-            return binarize(x)
+        if precision in SCALAR:
+            return quantize_scalar(x, self.int8_ranges(dim, norm), precision)
+        if precision in ("binary", "ubinary"):
+            return pack_bits(x, precision)
         return x
 
-    def calibrate(self, texts: list[str], prompt: str | None = None, max_samples: int = 10_000) -> None:
-        """Store a sample of embeddings from which int8 ranges are taken (arctic-embed-2 §2.5)."""
+    def calibrate(self, texts: list[str], prompt_name: str | None = None, prompt: str | None = None,
+                  max_samples: int = 10_000) -> None:
+        """Store a sample of embeddings from which int8 / uint8 ranges are taken (arctic-embed-2 §2.5).
+
+        The ranges are each dimension's min and max over the sample, after the same truncation and normalisation
+        as the output: sentence-transformers' `quantize_embeddings(x, precision, calibration_embeddings=...)`
+        given the sample's embeddings computes the same codes."""
         texts = list(texts)[:max_samples]
         if not texts:
             raise MoembedError("calibrate: no texts given")
-        self.calibration = self.embed_tensor(texts, self.prefix(prompt)).numpy()
+        self.calibration = self.embed_tensor(texts, self.prompt_text(prompt_name, prompt), amp=self.autocast).numpy()
 
     def int8_ranges(self, dim: int | None, normalize: bool = True) -> np.ndarray:
-        """Per-dimension ranges for the requested truncation, from the stored calibration sample."""
+        """Per-dimension (low, high) ranges (2, dim) for the requested truncation, from the stored calibration."""
         if self.calibration is None:
-            raise MoembedError("precision: int8 needs calibration embeddings; call calibrate(texts) first")
+            raise MoembedError("precision: int8 / uint8 need calibration embeddings; call calibrate(texts) first")
         cal = truncate(torch.from_numpy(self.calibration), dim, normalize).numpy()
         return int8_ranges(cal)
 
@@ -246,7 +379,7 @@ class Embedder(nn.Module):
         """Everything `save` writes: config, weights (detached, on the CPU), tokenizer and settings."""
         sd = {k: v.detach().cpu() for k, v in self.encoder.state_dict().items()}
         return ModelParts(self.config, sd, self.tokenizer, self.pooling, self.normalize, self.prompts, self.name,
-                          self.calibration, self.source_dir)
+                          self.calibration, self.source_dir, similarity_fn_name=self.similarity_fn_name)
 
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
@@ -255,12 +388,22 @@ class Embedder(nn.Module):
         _check_state(encoder, parts.state_dict, parts.weights_path)
         encoder.load_state_dict(parts.state_dict)
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,
-                   name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir).eval()
+                   name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir,
+                   similarity_fn_name=parts.similarity_fn_name).eval()
 
     @classmethod
-    def load(cls, path: str | Path, max_length: int | None = None) -> Embedder:
-        """Load a moembed, Hugging Face (see `moembed.model.families`) or sentence-transformers directory."""
-        return cls.from_parts(read_parts(path, max_length))
+    def load(cls, path: str | Path, max_length: int | None = None, device: str | None = "cpu",
+             dtype: str | None = "float32") -> Embedder:
+        """Load a moembed, Hugging Face (see `moembed.model.families`) or sentence-transformers directory.
+
+        device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (the accelerator when there is one); dtype:
+        the inference autocast, "float32" (default), "bfloat16", "float16" or "auto" (bfloat16 on an accelerator).
+        Only local directories are read: a Hub name raises, saying how to download the model elsewhere."""
+        dev = resolve_device(device)
+        amp = resolve_dtype(dtype, dev)
+        emb = cls.from_parts(read_parts(path, max_length)).to(dev)
+        emb.autocast = amp
+        return emb
 
     def save(self, path: str | Path) -> None:
         """Write the moembed format atomically; the directory becomes this model's `source_dir`."""

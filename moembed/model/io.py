@@ -5,7 +5,7 @@
 
 moembed format:
     config.json         {"format": "moembed", "version", "name", "encoder": {...}, "pooling", "normalize",
-                         "prompts", "max_length"}
+                         "prompts", "max_length", "similarity_fn_name"}
     model.safetensors   encoder weights (moembed names)
     tokenizer.json      (plus the source's other tokenizer files, kept for export)
     calibration.safetensors   optional sample of embeddings for int8 ranges
@@ -50,6 +50,7 @@ class ModelParts:
     calibration: np.ndarray | None = None  # (n, d) float32 sample for int8 ranges
     source_dir: Path | None = None  # tokenizer files are copied from here on save
     weights_path: Path | None = None  # where the weights were read from (named in errors)
+    similarity_fn_name: str = "cosine"  # "cosine" | "dot", as sentence-transformers' config names it
 
 
 def _read_json(path: Path) -> dict:
@@ -81,12 +82,25 @@ def read_parts(path: str | Path, max_length: int | None = None) -> ModelParts:
     """The parts of a moembed directory, a sentence-transformers directory, or a Hugging Face directory."""
     path = Path(path)
     recover_dir(path)  # a replacement of this directory interrupted by a kill (fileio: rename-aside fallback)
+    if not path.exists():
+        raise MoembedError(_not_local(path))
     if not path.is_dir():
-        raise MoembedError(f"{path}: not a model directory")
+        raise MoembedError(f"{path}: not a model directory (a file)")
     cfg = _read_json(path / "config.json")
     if cfg.get("format") == "moembed":
         return _read_moembed(path, cfg, max_length)
     return _read_hf(path, cfg, max_length)
+
+
+def _not_local(path: Path) -> str:
+    """The message for a model name that is no local directory, e.g. a Hugging Face Hub name."""
+    name = str(path)
+    hub = "/" in name and not path.is_absolute() and not name.startswith(".") and len(path.parts) == 2
+    what = f"{name!r} looks like a Hugging Face Hub name, but moembed" if hub else f"{name}: no such directory; moembed"
+    return (f"{what} reads models from local directories only and never downloads. Download the model on a "
+            f"machine with internet access, e.g. `huggingface-cli download {name if hub else 'ORG/NAME'} --local-dir "
+            f"DIR` or `SentenceTransformer({(name if hub else 'ORG/NAME')!r}).save('DIR')`, copy DIR here and pass "
+            f"its path")
 
 
 def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
@@ -105,12 +119,13 @@ def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
         calibration = load_file(str(path / "calibration.safetensors"))["embeddings"].numpy()
     return ModelParts(config, sd, tok, pooling=cfg.get("pooling", "mean"), normalize=cfg.get("normalize", True),
                       prompts=cfg.get("prompts"), name=cfg.get("name", path.name), calibration=calibration,
-                      source_dir=path, weights_path=path / "model.safetensors")
+                      source_dir=path, weights_path=path / "model.safetensors",
+                      similarity_fn_name=cfg.get("similarity_fn_name") or "cosine")
 
 
 def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     """A Hugging Face directory, optionally wrapped as a sentence-transformers model (modules.json)."""
-    pooling, normalize, prompts, st_max = "cls", False, {}, None
+    pooling, normalize, prompts, st_max, sim = "cls", False, {}, None, "cosine"
     if (path / "modules.json").exists():
         modules = _read_json(path / "modules.json")
         types = [m.get("type", "") for m in modules]
@@ -129,7 +144,8 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
         if (path / "sentence_bert_config.json").exists():
             st_max = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
         if (path / "config_sentence_transformers.json").exists():
-            prompts = _read_json(path / "config_sentence_transformers.json").get("prompts") or {}
+            st_cfg = _read_json(path / "config_sentence_transformers.json")
+            prompts, sim = st_cfg.get("prompts") or {}, st_cfg.get("similarity_fn_name") or "cosine"
     family = converter_for(cfg, path)
     config = family.config_from_hf(cfg, path)
     raw = _read_weights(path)
@@ -140,7 +156,7 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
         raise MoembedError(f"{path}: {e}") from None
     tok = TextTokenizer.from_dir(path, max_length or st_max or config.max_position)
     return ModelParts(config, sd, tok, pooling=pooling, normalize=normalize, prompts=prompts, name=path.name,
-                      source_dir=path, weights_path=path)
+                      source_dir=path, weights_path=path, similarity_fn_name=sim)
 
 
 def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig, path: Path) -> None:
@@ -187,6 +203,7 @@ def write_parts(parts: ModelParts, out: Path) -> None:
         "format": "moembed", "version": __version__, "name": parts.name,
         "encoder": parts.config.model_dump(mode="json"), "pooling": parts.pooling, "normalize": parts.normalize,
         "prompts": parts.prompts, "max_length": parts.tokenizer.max_length,
+        "similarity_fn_name": parts.similarity_fn_name,
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     sd = {k: v.detach().contiguous().cpu() for k, v in parts.state_dict.items()}
@@ -277,6 +294,6 @@ def _write_st_modules(parts: ModelParts, tmp: Path, first_type: str) -> None:
     (tmp / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": parts.tokenizer.max_length, "do_lower_case": False}))
     (tmp / "config_sentence_transformers.json").write_text(json.dumps({
-        "prompts": parts.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
+        "prompts": parts.prompts, "default_prompt_name": None, "similarity_fn_name": parts.similarity_fn_name,
         "__version__": {"moembed": __version__},
     }, indent=2))

@@ -1,8 +1,12 @@
 """Pooling of token states into one vector, Matryoshka truncation, and output precisions.
 
 Pooling works on the encoder's packed real tokens (see encoder.py), so padding never enters a mean.
-Precisions (arctic-embed-2 §2.5): int8 scalar quantisation with per-dimension ranges taken from calibration
-embeddings, and binary (sign bits packed eight to a byte).
+Precisions (arctic-embed-2 §2.5), named and computed as sentence-transformers' `quantize_embeddings` does:
+- "int8" / "uint8": scalar quantisation, per dimension, of [low, high] (taken from calibration embeddings) into
+  256 buckets of width step = (high − low) / 255: code = clip(floor((x − low) / step), 0, 255), minus 128 for
+  int8. Values outside the calibration range are clipped to the end buckets.
+- "binary" / "ubinary": sign bits (x > 0) packed eight to a byte, big-endian; "ubinary" keeps the bytes as uint8,
+  "binary" shifts them by −128 into int8. Both hold the same bits: Hamming distances are equal.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch.nn.functional as F
 from moembed.errors import MoembedError
 
 Pooling = Literal["mean", "cls", "last"]
-Precision = Literal["float32", "int8", "binary"]
+Precision = Literal["float32", "int8", "uint8", "binary", "ubinary"]
 POOLINGS = ("mean", "cls", "last")
-PRECISIONS = ("float32", "int8", "binary")
+PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+SCALAR = ("int8", "uint8")  # precisions that need calibration ranges
 
 
 def pool(packed: torch.Tensor, batch_index: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:
@@ -53,25 +58,37 @@ def int8_ranges(calibration: np.ndarray) -> np.ndarray:
     return np.stack([calibration.min(0), calibration.max(0)]).astype(np.float32)
 
 
-def quantize_int8(x: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    """Scalar quantisation: map [low, high] of each dimension linearly onto int8 [-128, 127], clipping outside."""
-    lo, hi = ranges
-    scale = np.where(hi > lo, hi - lo, 1.0)
-    q = np.rint((x - lo) / scale * 255.0) - 128.0
-    return np.clip(q, -128, 127).astype(np.int8)
+def _steps(ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low (d,), step (d,)) float32 of the 256 buckets spanning each dimension's range (a flat range: step 1)."""
+    ranges = ranges.astype(np.float32, copy=False)
+    lo = ranges[0]
+    step = (ranges[1] - lo) / 255
+    return lo, np.where(step == 0, 1, step).astype(np.float32)
 
 
-def dequantize_int8(q: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    lo, hi = ranges
-    scale = np.where(hi > lo, hi - lo, 1.0)
-    return ((q.astype(np.float32) + 128.0) / 255.0 * scale + lo).astype(np.float32)
+def quantize_scalar(x: np.ndarray, ranges: np.ndarray, precision: str = "int8") -> np.ndarray:
+    """Bucket codes of float embeddings (n, d): uint8 in [0, 255], or int8 in [-128, 127] (code − 128)."""
+    lo, step = _steps(ranges)
+    q = np.clip(np.floor((x.astype(np.float32, copy=False) - lo) / step), 0, 255)
+    return (q - 128).astype(np.int8) if precision == "int8" else q.astype(np.uint8)
 
 
-def binarize(x: np.ndarray) -> np.ndarray:
-    """Sign bits (x > 0) packed eight to a byte: (n, d) float → (n, ceil(d / 8)) uint8."""
-    return np.packbits(x > 0, axis=-1)
+def dequantize_scalar(q: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    """Codes (int8 or uint8) → float32 at the centre of each bucket."""
+    lo, step = _steps(ranges)
+    code = q.astype(np.float32) + (128.0 if q.dtype == np.int8 else 0.0)
+    return ((code + 0.5) * step + lo).astype(np.float32)
 
 
-def unpack_binary(b: np.ndarray, dim: int) -> np.ndarray:
-    """(n, ceil(d / 8)) uint8 → (n, d) float32 in {-1, +1}."""
+def pack_bits(x: np.ndarray, precision: str = "ubinary") -> np.ndarray:
+    """Sign bits (x > 0) packed eight to a byte: (n, d) float → (n, ceil(d / 8)) uint8 ("ubinary"), or the same
+    bytes − 128 as int8 ("binary")."""
+    packed = np.packbits(x > 0, axis=-1)
+    return (packed.astype(np.int16) - 128).astype(np.int8) if precision == "binary" else packed
+
+
+def unpack_bits(b: np.ndarray, dim: int) -> np.ndarray:
+    """Packed sign bits, int8 ("binary") or uint8 ("ubinary"), (n, ceil(d / 8)) → (n, d) float32 in {-1, +1}."""
+    if b.dtype == np.int8:
+        b = (b.astype(np.int16) + 128).astype(np.uint8)
     return np.unpackbits(b, axis=-1, count=dim).astype(np.float32) * 2.0 - 1.0

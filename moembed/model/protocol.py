@@ -32,9 +32,11 @@ class EmbeddingModel(Protocol):
     """A model that embeds texts.
 
     name: a label for reports; prompts: prompt name → text prefix (may be empty); dim: the full output dimension.
-    `encode(texts, prompt, dim, precision, batch_size, show_progress)` → numpy (n, dim) (one row for a single
-    string): prompt is a prompt NAME from `prompts` (None: no prefix), dim a Matryoshka truncation, precision
-    "float32" | "int8" | "binary" (what the model supports). `settings_key()` identifies the weights and every
+    `encode(texts, prompt_name, prompt, truncate_dim, precision, batch_size, show_progress_bar)` → numpy
+    (n, dim) (one row for a single string), with sentence-transformers' meanings: prompt_name is a name from
+    `prompts` (None: no prefix), prompt a literal prefix (models that cannot take one raise), truncate_dim a
+    Matryoshka truncation, precision "float32" | "int8" | "uint8" | "binary" | "ubinary" (what the model
+    supports). Callers pass these as keywords. `settings_key()` identifies the weights and every
     setting that changes `encode`'s output (max length, pooling, ...): equal keys, equal embeddings; caches use it.
     """
 
@@ -44,15 +46,19 @@ class EmbeddingModel(Protocol):
     @property
     def dim(self) -> int: ...
 
-    def encode(self, texts: list[str] | str, prompt: str | None = None, dim: int | None = None,
-               precision: str = "float32", batch_size: int = 32, show_progress: bool = False) -> np.ndarray: ...
+    def encode(self, texts: list[str] | str, prompt_name: str | None = None, prompt: str | None = None, *,
+               truncate_dim: int | None = None, precision: str = "float32", batch_size: int = 32,
+               show_progress_bar: bool = False) -> np.ndarray: ...
 
     def settings_key(self) -> str: ...
 
 
 @runtime_checkable
 class OwnSimilarity(Protocol):
-    """A model whose embeddings are compared with `similarity(a (n, k), b (m, k)) -> (n, m)`, not the cosine."""
+    """A model whose embeddings are compared with `similarity(a (n, k), b (m, k)) -> (n, m)`, not the cosine.
+
+    The Embedder has a `similarity` too (sentence-transformers' API); it counts as its own only when its
+    `similarity_fn_name` is not "cosine" (see `own_similarity`)."""
 
     def similarity(self, a: np.ndarray, b: np.ndarray) -> np.ndarray: ...
 
@@ -77,9 +83,15 @@ class Quantizes(Protocol):
 
     calibration: np.ndarray | None
 
-    def calibrate(self, texts: list[str], prompt: str | None = None, max_samples: int = 10_000) -> None: ...
+    def calibrate(self, texts: list[str], prompt_name: str | None = None, prompt: str | None = None,
+                  max_samples: int = 10_000) -> None: ...
 
     def int8_ranges(self, dim: int | None, normalize: bool = True) -> np.ndarray: ...
+
+
+def own_similarity(model) -> bool:
+    """Whether scores must go through `model.similarity`: an `OwnSimilarity` that is not plain cosine."""
+    return isinstance(model, OwnSimilarity) and getattr(model, "similarity_fn_name", None) != "cosine"
 
 
 # ---- helpers for settings keys ----------------------------------------------------------------------------------

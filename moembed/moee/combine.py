@@ -73,7 +73,7 @@ class MoEEModel:
 
     def _check(self, dim: int | None, precision: str) -> None:
         if dim is not None and dim != self.dim:
-            raise MoembedError(f"dim: MoEE embeddings are not Matryoshka-trained; only the full {self.dim} is available")
+            raise MoembedError(f"truncate_dim: MoEE embeddings are not Matryoshka-trained; only the full {self.dim} is available")
         if precision != "float32":
             raise MoembedError(f"precision: MoEE embeddings are float32 only, got {precision!r}")
 
@@ -84,13 +84,18 @@ class MoEEModel:
                 raise MoembedError(f"texts[{i}]: expected a string, got {type(t).__name__}")
         return self.source.features(texts, prompt=prompt, batch_size=batch_size, show_progress=show_progress)
 
-    def encode(self, texts: list[str] | str, prompt: str | None = None, dim: int | None = None,
-               precision: str = "float32", batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
-        """Embed texts → float32 (n, dim); prompt as the source takes it (see the source's docstring)."""
-        self._check(dim, precision)
+    def encode(self, texts: list[str] | str, prompt_name: str | None = None, prompt: str | None = None, *,
+               truncate_dim: int | None = None, precision: str = "float32", batch_size: int = 32,
+               show_progress_bar: bool = False) -> np.ndarray:
+        """Embed texts → float32 (n, dim); prompt_name as the source takes it (a prompt name of an encoder, a
+        Table 2 template of a language model: see the source's docstring). A literal `prompt` is not supported."""
+        if prompt is not None:
+            raise MoembedError("prompt: MoEE models take prompt_name (a name of their prompts or templates), not a "
+                               "literal prompt")
+        self._check(truncate_dim, precision)
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
-        x = combine(self.features(texts, prompt, batch_size, show_progress), self.mode).numpy()
+        x = combine(self.features(texts, prompt_name, batch_size, show_progress_bar), self.mode).numpy()
         return x[0] if single else x
 
 
@@ -115,19 +120,27 @@ class SumModel(MoEEModel):
 
 
 def load_source(path: str | Path, extract: ExtractConfig | None = None, prompt: str | None = None,
-                bf16: bool = True, load_in_8bit: bool = False, max_length: int | None = None):
+                bf16: bool = True, load_in_8bit: bool = False, max_length: int | None = None, device: str | None = "cpu"):
     """An HS/RW source from a directory: a Hugging Face MoE causal LM, or a moembed MoE encoder.
 
     For a language model: `extract` picks the Table 5 variant, `prompt` the default Table 2 template, bf16 the
     weight dtype. For an encoder: HS is its pooled output and RW the mean over real tokens, so `extract` must be None or
-    say mean pooling; `prompt` is unused (pass the model's prompt names to `encode`).
+    say mean pooling; `prompt` is unused (pass the model's prompt names to `encode(prompt_name=...)`).
+    device: where the model runs ("cpu", "cuda", "mps", "auto": `moembed.devices`); 8-bit weights stay where
+    bitsandbytes puts them.
     """
+    from moembed.devices import resolve_device
+
     from moembed.moee.hf import is_hf_moe_dir, load_hf_moe
 
     path = Path(path)
     if is_hf_moe_dir(path):
-        return load_hf_moe(path, dtype="bfloat16" if bf16 else "float32", load_in_8bit=load_in_8bit,
-                           max_length=max_length or 512, extract=extract, prompt=prompt)
+        dev = resolve_device(device)
+        source = load_hf_moe(path, dtype="bfloat16" if bf16 else "float32", load_in_8bit=load_in_8bit,
+                             max_length=max_length or 512, extract=extract, prompt=prompt)
+        if not load_in_8bit:
+            source.decoder.to(dev)
+        return source
     from moembed.model.embedder import Embedder
     from moembed.moee.encoder import EncoderMoESource
 
@@ -135,7 +148,7 @@ def load_source(path: str | Path, extract: ExtractConfig | None = None, prompt: 
         raise MoembedError(f"{path}: pooling options apply to language models; an encoder uses its own pooling for HS and the token mean for RW")
     if load_in_8bit:
         raise MoembedError(f"{path}: load_in_8bit applies to Hugging Face language models only")
-    return EncoderMoESource(Embedder.load(path, max_length=max_length), bf16=bf16)
+    return EncoderMoESource(Embedder.load(path, max_length=max_length, device=device), bf16=bf16)
 
 
 def load_moee(path: str | Path, mode: str = "concat", alpha: float = 1.0, **kwargs) -> MoEEModel:

@@ -34,7 +34,7 @@ from moembed import distributed as dist
 from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.model.inference import run_batches
-from moembed.model.pooling import PRECISIONS
+from moembed.model.pooling import PRECISIONS, SCALAR
 from moembed.progress import bar
 from moembed.recipes.corpus_input import CorpusInput
 from moembed.recipes.encode_state import PartialState, partial_dir
@@ -173,12 +173,12 @@ def prepare(job: EncodeJob, emb) -> PartialState:
     if rows == 0:
         raise MoembedError(f"{job.input.path}: no texts to embed")
     calibration = None
-    if job.precision == "int8" and emb.calibration is None:
+    if job.precision in SCALAR and emb.calibration is None:
         source = job.calibration or job.input
         texts = source.head(CALIBRATION_SAMPLES)
         if not texts:
             raise MoembedError(f"{source.path}: no calibration texts")
-        log.info("int8 ranges from %d calibration texts (%s)", len(texts), source.path)
+        log.info("%s ranges from %d calibration texts (%s)", job.precision, len(texts), source.path)
         calibration = pooled(emb, texts, emb.prefix(job.prompt), job.batch_size, bf16=False)[0].numpy()
         emb.calibration = calibration
     probe = emb.postprocess(torch.zeros(1, emb.dim), job.dim, job.precision)  # (1, width): the output's row shape

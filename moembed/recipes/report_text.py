@@ -186,8 +186,8 @@ def model_card(qs, table, summary, verdict_text, stages, load_lines, decisions) 
         f"{base} upcycled to an MoE encoder and finetuned contrastively with mined hard negatives "
         "(the Nomic Embed v2 recipe at laptop scale).\n\n"
         "## Use\n\n```python\nfrom moembed import Embedder\nm = Embedder.load(\"models/moe\")\n"
-        "q = m.encode([\"how do plants make food\"], prompt=\"search_query\")\n"
-        "d = m.encode([\"Photosynthesis turns light into chemical energy.\"], prompt=\"search_document\")\n```\n\n"
+        "q = m.encode([\"how do plants make food\"], prompt_name=\"search_query\")\n"
+        "d = m.encode([\"Photosynthesis turns light into chemical energy.\"], prompt_name=\"search_document\")\n```\n\n"
         "Prefixes: `search_query: `, `search_document: `, `classification: `, `clustering: `. Matryoshka dimensions "
         f"{qs.matryoshka_dims} were trained. A sentence-transformers copy is in `../moe-st`: `SentenceTransformer(\"models/moe-st\", trust_remote_code=True)` (its encoder module is moembed's own, so moembed must be installed).\n\n"
         "## Training\n\n" + settings(qs) + "\n" + _decision_lines(decisions) + "\n\n## Data\n\n" + data_lines(stages) +

@@ -23,9 +23,9 @@ from moembed.errors import MoembedError
 # API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt
 # gets no prefix: its texts are embedded as given.
 INPUT_TYPES = {"query": "search_query", "document": "search_document"}
-# API precision → Embedder.postprocess precision. "ubinary" (sign bits packed into unsigned bytes, as
-# sentence-transformers names it) is what the Embedder calls "binary" today.
-PRECISIONS = {"float32": "float32", "int8": "int8", "ubinary": "binary"}
+# API precisions: the Embedder's names ("ubinary": sign bits packed into unsigned bytes, as sentence-transformers
+# names it).
+PRECISIONS = ("float32", "int8", "ubinary")
 
 
 class TooLong(MoembedError):
@@ -114,4 +114,6 @@ class EmbedderEngine:
         return out.float().cpu()
 
     def postprocess(self, emb: torch.Tensor, dim: int | None, precision: str) -> np.ndarray:
-        return self.emb.postprocess(emb, dim, PRECISIONS[precision])
+        if precision not in PRECISIONS:
+            raise MoembedError(f"precision: unknown {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        return self.emb.postprocess(emb, dim, precision)
