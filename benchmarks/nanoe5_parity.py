@@ -101,7 +101,7 @@ def main() -> None:
                                     ("passage: ", engine.passage, "search_document")):
             ours, want = hf_embed(model, tok, [prefix + t for t in texts]), ref(texts)
             cos = (ours * want).sum(1)
-            mine = (emb.encode(texts, prompt=prompt) * want).sum(1)
+            mine = (emb.encode(texts, prompt_name=prompt) * want).sum(1)
             per = collections.defaultdict(list)
             for lang, c in zip(langs, cos):
                 per[lang].append(c)

@@ -75,7 +75,7 @@ def test_stream_equals_in_memory_encode(tiny_dir, tmp_path, precision, dim, prom
                                               precision=precision, dim=dim, prompt=prompt))
     emb = Embedder.load(tiny_dir)
     if precision == "int8":
-        emb.calibrate(texts, prompt=prompt)
+        emb.calibrate(texts, prompt_name=prompt)
     ref = emb.encode(texts, prompt=prompt, dim=dim, precision=precision, batch_size=4)
     got = np.load(tmp_path / "o.npy")
     assert (rows, width, dtype) == (53, ref.shape[1], ref.dtype) and got.shape == ref.shape and got.dtype == ref.dtype

@@ -154,7 +154,7 @@ def test_sentence_transformers_wrapper_keeps_pooling_and_prompts(tiny, pooling):
     st = SentenceTransformer(str(path), device="cpu")
     long = ["the cat " * 40]  # truncated at 24 tokens by both
     want = st.encode(TEXTS + long, prompt_name="search_query")
-    np.testing.assert_allclose(emb.encode(TEXTS + long, prompt="search_query"), want, atol=1e-5)
+    np.testing.assert_allclose(emb.encode(TEXTS + long, prompt_name="search_query"), want, atol=1e-5)
 
 
 def test_positions_table_smaller_than_the_offset(tmp_path, minilm_path):

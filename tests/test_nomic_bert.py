@@ -348,7 +348,7 @@ def test_published_round_trip_gives_identical_tensors_and_embeddings(tmp_path, m
     assert not set(src) - set(cfg)  # every published key written back
     back = Embedder.load(out)
     assert back.config == emb.config and back.prompts == emb.prompts
-    np.testing.assert_array_equal(back.encode(TEXTS, prompt="query"), emb.encode(TEXTS, prompt="query"))
+    np.testing.assert_array_equal(back.encode(TEXTS, prompt_name="query"), emb.encode(TEXTS, prompt_name="query"))
 
 
 def test_finetune_a_published_moe_checkpoint_and_write_it_back(tmp_path, minilm_path):
