@@ -55,3 +55,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, minilm_path) -> Path:
+    """A saved tiny random moembed model with the real MiniLM tokenizer (32 tokens), for command-line tests."""
+    from moembed.model.embedder import Embedder
+    from moembed.model.encoder import Encoder
+    from moembed.model.presets import tiny_config
+    from moembed.model.tokenizer import TextTokenizer
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("m") / "tiny"
+    Embedder(Encoder(tiny_config(vocab_size=30522)), TextTokenizer.from_dir(minilm_path, 32)).save(d)
+    return d

@@ -14,21 +14,6 @@ def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "moembed.cli.main", *map(str, args)], capture_output=True, text=True, cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, minilm_path):
-    import torch
-
-    from moembed.model.presets import tiny_config
-    from moembed.model.embedder import Embedder
-    from moembed.model.encoder import Encoder
-    from moembed.model.tokenizer import TextTokenizer
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("m") / "tiny"
-    Embedder(Encoder(tiny_config(vocab_size=30522)), TextTokenizer.from_dir(minilm_path, 32)).save(d)
-    return d
-
-
 def test_encode_writes_rows_in_order(tiny_dir, tmp_path):
     from moembed.model.embedder import Embedder
 

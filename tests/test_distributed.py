@@ -4,12 +4,12 @@ holding the whole batch, the MoE auxiliary losses included; in one process the c
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from net_helpers import free_port
 
 from moembed import distributed as dist
 from moembed.losses.config import LossConfig
@@ -186,17 +186,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """What each of 2 gloo ranks saved (one spawn for the tests of this module)."""
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -31,21 +31,6 @@ def run_cli(*args):
                           text=True, env=env, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, minilm_path):
-    import torch
-
-    from moembed.model.embedder import Embedder
-    from moembed.model.encoder import Encoder
-    from moembed.model.presets import tiny_config
-    from moembed.model.tokenizer import TextTokenizer
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("m") / "tiny"
-    Embedder(Encoder(tiny_config(vocab_size=30522)), TextTokenizer.from_dir(minilm_path, 32)).save(d)
-    return d
-
-
 def job_of(tiny_dir, path, out, **kw):
     from moembed.recipes.corpus_input import CorpusInput
     from moembed.recipes.encode_corpus import EncodeJob

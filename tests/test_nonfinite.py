@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,6 +18,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
+from net_helpers import free_port
 from train_helpers import chatterbot_pairs, write_pairs, write_texts
 
 from moembed.errors import MoembedError
@@ -137,12 +137,6 @@ def _worker(rank: int, world: int, port: int, out: str, data: dict, minilm: str)
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, minilm_path):
     """What each of 2 gloo ranks ended with, per run; fails (never hangs) when a rank does not finish in time."""
@@ -155,7 +149,7 @@ def two_ranks(tmp_path_factory, minilm_path):
         "a": write_pairs(d / "a.jsonl", pairs[:300], negatives=2), "b": write_pairs(d / "b.jsonl", pairs[300:600], negatives=2),
     }
     data = {k: str(v) for k, v in data.items()}
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), str(d), data, str(minilm_path)), nprocs=2,
+    ctx = mp.start_processes(_worker, args=(2, free_port(), str(d), data, str(minilm_path)), nprocs=2,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from net_helpers import free_port
 
 from moembed.errors import MoembedError
 from moembed.serve.app import build_app
@@ -400,14 +401,8 @@ def test_open_bind_without_key_warns():
 # ---- the command, end to end ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_serves_and_sigterm_finishes_the_request_in_flight(model_dirs):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "MOEMBED_API_KEY": "k3y", "OMP_NUM_THREADS": "1"}
