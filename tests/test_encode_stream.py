@@ -61,7 +61,7 @@ def test_stream_equals_in_memory_encode(tiny_dir, tmp_path, precision, dim, prom
     emb = Embedder.load(tiny_dir)
     if precision == "int8":
         emb.calibrate(texts, prompt_name=prompt)
-    ref = emb.encode(texts, prompt=prompt, dim=dim, precision=precision, batch_size=4)
+    ref = emb.encode(texts, prompt_name=prompt, truncate_dim=dim, precision=precision, batch_size=4)
     got = np.load(tmp_path / "o.npy")
     assert (rows, width, dtype) == (53, ref.shape[1], ref.dtype) and got.shape == ref.shape and got.dtype == ref.dtype
     if precision == "float32":  # chunks of 7 make other batches than one pass over 53 texts: rounding only

@@ -51,7 +51,7 @@ class Lookup:
     def __init__(self, table: dict[str, np.ndarray]):
         self.table = table
 
-    def encode(self, texts, prompt=None, dim=None, precision="float32", batch_size=32):
+    def encode(self, texts, prompt_name=None, *, truncate_dim=None, precision="float32", batch_size=32, **kwargs):
         return np.stack([self.table[t] for t in texts]).astype(np.float32)
 
 

