@@ -414,3 +414,21 @@ def test_unsupported_published_configs_name_the_key(tmp_path, minilm_path, chang
     with pytest.raises(MoembedError) as e:
         Embedder.load(path)
     assert str(path / "config.json") in str(e.value) and words in str(e.value)
+
+
+def test_export_cli_writes_a_moe_checkpoint_in_the_published_layout(tmp_path, minilm_path):
+    """`moembed export --format huggingface` of a NomicBERT MoE model: transformers' classes hold no MoE layers, so
+    the model is written in the layout it was read from, tensor for tensor, and reads back to identical embeddings."""
+    import subprocess
+    import sys
+
+    path = write_published(tmp_path / "v2", minilm_path)
+    out = tmp_path / "exported"
+    run = subprocess.run([sys.executable, "-m", "moembed.cli.main", "export", str(path), "--format", "huggingface",
+                          "--out", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    original, written = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(written) == set(original) and all(torch.equal(written[k], original[k]) for k in original)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_experts"], cfg["moe_every_n_layers"]) == ("nomic_bert", E, 2)
+    np.testing.assert_array_equal(Embedder.load(out).encode(TEXTS), Embedder.load(path).encode(TEXTS))

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_dir, recover_dir
 from moembed.model.config import EncoderConfig
-from moembed.model.families import converter_for, exporter_for
+from moembed.model.families import FAMILIES, converter_for, exporter_for
 from moembed.model.tokenizer import TextTokenizer
 from moembed.version import __version__
 
@@ -242,13 +242,25 @@ def export_huggingface(model, path: str | Path) -> str:
     moembed), wrapped with the sentence-transformers files that keep its pooling, normalisation and prompts.
     Returns the family's model_type. An encoder no family can hold raises, saying what stands in the way."""
     parts = model if isinstance(model, ModelParts) else model.parts()
-    family = exporter_for(parts.config)
+    family, layout = exporter_for(parts.config), {}
+    if family is None:
+        family, layout = _released_layout(parts.config)
     if family is None:
         raise MoembedError(f"export: {parts.name} has no Hugging Face layout ({_why_not_exportable(parts.config)}); "
                            "--format sentence-transformers writes it with moembed's own module")
     with atomic_dir(Path(path)) as tmp:
-        _write_hf(parts, family, tmp)
+        _write_hf(parts, family, tmp, layout)
     return family.model_type
+
+
+def _released_layout(config: EncoderConfig):
+    """The family that wrote this encoder, when its released checkpoints' own layout (which transformers' classes do
+    not read, e.g. nomic-embed-text-v2-moe's MoE layers) holds it exactly: (family, layout kwargs), else (None, {})."""
+    family = FAMILIES.get(config.hf_model_type or "")
+    layouts = getattr(family, "layouts", None)
+    if layouts is not None and "published" in layouts(config):
+        return family, {"layout": "published"}
+    return None, {}
 
 
 def _why_not_exportable(c: EncoderConfig) -> str:
@@ -259,10 +271,12 @@ def _why_not_exportable(c: EncoderConfig) -> str:
     return ", ".join(reasons) or "no family holds this configuration"
 
 
-def _write_hf(parts: ModelParts, family, tmp: Path) -> None:
-    """config.json and model.safetensors in `family`'s names, the tokenizer, and the sentence-transformers files."""
-    (tmp / "config.json").write_text(json.dumps(family.hf_config(parts.config), indent=2) + "\n")
-    sd = family.weights_to_hf({k: v.detach().cpu() for k, v in parts.state_dict.items()}, parts.config)
+def _write_hf(parts: ModelParts, family, tmp: Path, layout: dict | None = None) -> None:
+    """config.json and model.safetensors in `family`'s names (`layout`: the family's own layout option, if any),
+    the tokenizer, and the sentence-transformers files."""
+    layout = layout or {}
+    (tmp / "config.json").write_text(json.dumps(family.hf_config(parts.config, **layout), indent=2) + "\n")
+    sd = family.weights_to_hf({k: v.detach().cpu() for k, v in parts.state_dict.items()}, parts.config, **layout)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(parts, tmp)
     if not (tmp / "tokenizer_config.json").exists():
