@@ -202,17 +202,25 @@ class Embedder(nn.Module):
         each batch; show_progress draws a bar instead.
         """
         ids, truncated = self.token_ids(texts, prefix)
-        if batch_size < 1:
-            raise MoembedError(f"batch_size: must be >= 1, got {batch_size}")
         if truncated:
             log.warning("%d of %d texts were longer than %d tokens and were truncated", truncated, len(texts), self.max_length)
+        with bar(desc, enabled=show_progress and progress is None) as shown:
+            return self.embed_batches(ids, batch_size, amp, progress or shown)
+
+    @torch.inference_mode()
+    def embed_batches(self, ids: list[list[int]], batch_size: int = 32, amp: torch.dtype | None = None,
+                      progress: Progress | None = None) -> torch.Tensor:
+        """Pooled float32 embeddings (n, d) of tokenized texts (`token_ids`) in input order: length-sorted batches
+        of `embed_ids`, in eval mode, under autocast to `amp` when given."""
+        if batch_size < 1:
+            raise MoembedError(f"batch_size: must be >= 1, got {batch_size}")
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
         cast = torch.autocast(device.type, dtype=amp) if amp is not None else nullcontext()
         try:
-            with cast, bar(desc, enabled=show_progress and progress is None) as shown:
-                (out,) = run_batches(ids, batch_size, self.embed_ids, (self.dim,), progress or shown)
+            with cast:
+                (out,) = run_batches(ids, batch_size, self.embed_ids, (self.dim,), progress)
         finally:
             self.train(was_training)
         return out

@@ -257,8 +257,7 @@ def _released_layout(config: EncoderConfig):
     """The family that wrote this encoder, when its released checkpoints' own layout (which transformers' classes do
     not read, e.g. nomic-embed-text-v2-moe's MoE layers) holds it exactly: (family, layout kwargs), else (None, {})."""
     family = FAMILIES.get(config.hf_model_type or "")
-    layouts = getattr(family, "layouts", None)
-    if layouts is not None and "published" in layouts(config):
+    if family is not None and "published" in family.layouts(config):
         return family, {"layout": "published"}
     return None, {}
 

@@ -16,14 +16,13 @@ same input and options: the chunks already logged are skipped. Under torchrun (`
 R encodes chunks i with i % N == R, all ranks write into the same state, and rank 0 prepares and finishes it.
 
 The Embedder is used through its lowest layer only: `Embedder.load(path, max_length=)`, `prefix(name)`,
-`token_ids(texts, prefix)`, `embed_ids(ids)` under `run_batches`, `postprocess(pooled, dim, precision)`,
+`token_ids(texts, prefix)`, `embed_batches(ids, batch_size, amp)`, `postprocess(pooled, dim, precision)`,
 `calibration`, `dim` and `settings_key()`.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,6 @@ import torch
 from moembed import distributed as dist
 from moembed.devices import resolve_device
 from moembed.errors import MoembedError
-from moembed.model.inference import run_batches
 from moembed.model.pooling import PRECISIONS, SCALAR
 from moembed.progress import bar
 from moembed.recipes.corpus_input import CorpusInput
@@ -141,11 +139,7 @@ def load_model(job: EncodeJob):
 def pooled(emb, texts: list[str], prefix: str, batch_size: int, bf16: bool) -> tuple[torch.Tensor, int]:
     """Pooled float32 embeddings (n, d) of `prefix + text` in input order, and how many texts were truncated."""
     ids, truncated = emb.token_ids(texts, prefix)
-    device = next(emb.parameters()).device
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    with torch.inference_mode(), amp:
-        (out,) = run_batches(ids, batch_size, emb.embed_ids, (emb.dim,))
-    return out, truncated
+    return emb.embed_batches(ids, batch_size, torch.bfloat16 if bf16 else None), truncated
 
 
 def identity(job: EncodeJob, emb) -> dict:

@@ -29,7 +29,11 @@ class Converter(Protocol):
         """A Hugging Face state dict renamed to moembed's encoder names."""
 
     def can_export(self, config: EncoderConfig) -> bool:
-        """Whether an encoder of this config is expressible in this family's Hugging Face format."""
+        """Whether an encoder of this config is expressible in the layout transformers' own class reads."""
+
+    def layouts(self, config: EncoderConfig) -> list[str]:
+        """The layouts that hold an encoder of this config exactly: "transformers" (what `can_export` says) and,
+        for a family whose released checkpoints use a layout of their own (nomic_bert), "published"."""
 
     def hf_config(self, config: EncoderConfig) -> dict:
         """The Hugging Face config.json dict of an exported encoder."""

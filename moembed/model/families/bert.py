@@ -92,6 +92,9 @@ class BertConverter:
         """Dense, absolute positions, GELU MLPs, a plain embedding table: what BertModel holds."""
         return config.moe is None and config.position == "absolute" and config.mlp == "gelu" and config.move is None
 
+    def layouts(self, config: EncoderConfig) -> list[str]:
+        return ["transformers"] if self.can_export(config) else []
+
     def hf_config(self, c: EncoderConfig) -> dict:
         return {
             "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": c.vocab_size,
