@@ -3,7 +3,7 @@ language and cross-lingual, from registry packages only.
 
     >>> sources, tests = multilingual_suite("data/ml", size="small", seed=0)
     >>> sources[0]             # moembed.data.config.SourceConfig, ready for TrainConfig.data
-    SourceConfig(path='data/ml/train/freedict-deu-eng.jsonl', name='freedict-deu-eng', lang='de-en', size=1000, ...)
+    SourceConfig(path='data/ml/train/freedict-deu-eng.jsonl', name='freedict-deu-eng', lang='de-en', size=500, ...)
     >>> tests["freedict-fra-eng"]
     TestSet(path=PosixPath('data/ml/test/freedict-fra-eng'), query_lang='fr', doc_lang='en')
 
@@ -77,7 +77,8 @@ class SizeConfig(SplitConfig):
 
 SIZES = {
     "tiny": SizeConfig(max_pairs=200, eval_queries=30, eval_docs=100, dict_entries=1500),  # CI end to end
-    "small": SizeConfig(max_pairs=1000, eval_queries=100, eval_docs=400, dict_entries=8000),
+    # 500 pairs per source: the teacher pass over 45 sources stays near 4 minutes on 2 CPU cores (BENCHMARKS.md)
+    "small": SizeConfig(max_pairs=500, eval_queries=100, eval_docs=400, dict_entries=8000),
     "medium": SizeConfig(max_pairs=4000, eval_queries=300, eval_docs=1000, dict_entries=40000),
     "large": SizeConfig(max_pairs=None, eval_queries=1000, eval_docs=5000, dict_entries=None),
 }
