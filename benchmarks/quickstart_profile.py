@@ -50,9 +50,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="quickstart work directory (emptied first)")
     ap.add_argument("--config", type=Path, default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--preset", default=None, help="english (default) | multilingual")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
+    from moembed.heap import bound_heap_growth
+
+    bound_heap_growth()  # as the `moembed` command does before any command
 
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -74,7 +78,7 @@ def main() -> None:
         return result
 
     Quickstart._stage = profiled
-    cfg = load_quickstart_config(args.config, steps=args.steps)
+    cfg = load_quickstart_config(args.config, args.preset, steps=args.steps)
     t0, c0 = time.perf_counter(), os.times()
     Quickstart(cfg, args.out, progress=False).run()
     c1 = os.times()
