@@ -156,6 +156,24 @@ def test_sentence_transformers_teacher_fallback(tmp_path, minilm_path):
     assert x.shape == (3, 32) and np.allclose(x, ref, atol=1e-5)
     with pytest.raises(MoembedError, match="missing: no such directory; moembed reads models from local directories"):
         load_teacher(tmp_path / "missing")
+    short = load_teacher(tmp_path / "st", max_length=4)  # texts cut as training would cut them
+    assert short.model.max_seq_length == 4
+    cut = embed(short, ["the stock market fell sharply today"], "document")
+    assert np.allclose(cut, embed(short, ["the stock market"], "document"), atol=1e-5)  # [CLS] 3 tokens [SEP]
+
+
+def test_teacher_max_length_cuts_but_never_lengthens(tiny_dir):
+    from moembed.data.teacher import embed, load_teacher
+
+    own = load_teacher(tiny_dir).max_length
+    assert load_teacher(tiny_dir, max_length=own * 4).max_length == own
+    short = load_teacher(tiny_dir, max_length=5)
+    assert short.max_length == 5
+    long_text = "the stock market fell sharply today in heavy trading"
+    assert np.allclose(embed(short, [long_text], "document"), embed(short, ["the stock market"], "document"),
+                       atol=1e-6)
+    assert not np.allclose(embed(load_teacher(tiny_dir), [long_text], "document"),
+                           embed(short, [long_text], "document"), atol=1e-3)
 
 
 def test_shard_embeddings_are_reused_by_mining(tmp_path, make_tiny, monkeypatch):

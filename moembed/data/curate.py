@@ -52,6 +52,10 @@ class CurateConfig(BaseModel):
     bf16: bool = False
     cache_embeddings: bool = False
     device: str = "cpu"  # where the teacher runs: cpu | cuda | cuda:N | mps | auto (moembed.devices)
+    # The teacher's token limit (None: its own). Give the training's lengths so that a pair is judged, and negatives
+    # mined, on the text the model will be trained on; long passages then also cost no more than training sees.
+    # Applies to a teacher given by path.
+    max_length: int | None = Field(None, ge=2)
 
     @model_validator(mode="after")
     def _check(self) -> CurateConfig:
@@ -128,15 +132,15 @@ def _search_shard(rows, q_emb, q_pos, docs, d_emb, d_pos, cfg: CurateConfig) -> 
 class _LazyTeacher:
     """Loads the teacher on first use, so a fully resumed run never loads it. Also accepts a loaded `Teacher`."""
 
-    def __init__(self, teacher: Teacher | str | Path, device: str = "cpu"):
+    def __init__(self, teacher: Teacher | str | Path, device: str = "cpu", max_length: int | None = None):
         loaded = not isinstance(teacher, (str, Path))
-        self.device = device
+        self.device, self.max_length = device, max_length
         self._model = teacher if loaded else None
         self.path = str(teacher.name) if loaded else str(teacher)
 
     def __call__(self):
         if self._model is None:
-            self._model = load_teacher(self.path, self.device)
+            self._model = load_teacher(self.path, self.device, self.max_length)
         return self._model
 
 
@@ -151,7 +155,7 @@ def curate(data, out, teacher, cfg: CurateConfig, work_dir=None, skip_bad: bool 
     if distributed.rank() == 0:
         work.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    teacher_fn = _LazyTeacher(teacher, cfg.device)
+    teacher_fn = _LazyTeacher(teacher, cfg.device, cfg.max_length)
     stats, per_source, shards, resumed = ReadStats(), {}, 0, 0
     timing = {"embed_seconds": 0.0, "search_seconds": 0.0}
     bar = tqdm(desc="curate", unit="pair", disable=not show_progress or distributed.rank() != 0)

@@ -77,8 +77,8 @@ class SizeConfig(SplitConfig):
 
 SIZES = {
     "tiny": SizeConfig(max_pairs=200, eval_queries=30, eval_docs=100, dict_entries=1500),  # CI end to end
-    # 500 pairs per source: the teacher pass over 45 sources stays near 4 minutes on 2 CPU cores (BENCHMARKS.md)
-    "small": SizeConfig(max_pairs=500, eval_queries=100, eval_docs=400, dict_entries=8000),
+    # 500 pairs per source, test sets of 80 queries and 300 documents: 30 minutes on 2 CPU cores (BENCHMARKS.md)
+    "small": SizeConfig(max_pairs=500, eval_queries=80, eval_docs=300, dict_entries=8000),
     "medium": SizeConfig(max_pairs=4000, eval_queries=300, eval_docs=1000, dict_entries=40000),
     "large": SizeConfig(max_pairs=None, eval_queries=1000, eval_docs=5000, dict_entries=None),
 }

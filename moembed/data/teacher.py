@@ -36,12 +36,14 @@ class Teacher(EmbeddingModel, Protocol):
 class SentenceTransformerTeacher:
     """A `sentence_transformers.SentenceTransformer` as a `Teacher` (float32 only)."""
 
-    def __init__(self, path: str | Path, device: str | None = "cpu"):
+    def __init__(self, path: str | Path, device: str | None = "cpu", max_length: int | None = None):
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:
             raise MoembedError(f"{path}: needs sentence-transformers; run `pip install sentence-transformers`") from None
         self.model = SentenceTransformer(str(path), device=str(resolve_device(device)), local_files_only=True)
+        if max_length is not None:
+            self.model.max_seq_length = min(max_length, self.model.max_seq_length or max_length)
         self.name = Path(path).name
         self.prompts = dict(self.model.prompts or {})
         dim_fn = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
@@ -68,10 +70,14 @@ class SentenceTransformerTeacher:
         return weights_key(self.model)
 
 
-def load_teacher(path: str | Path, device: str | None = "cpu") -> Teacher:
-    """An `Embedder` when moembed reads the directory, else a `SentenceTransformerTeacher`, on `device`."""
+def load_teacher(path: str | Path, device: str | None = "cpu", max_length: int | None = None) -> Teacher:
+    """An `Embedder` when moembed reads the directory, else a `SentenceTransformerTeacher`, on `device`; texts cut
+    to `max_length` tokens when that is below the model's own limit."""
     try:
-        return Embedder.load(path, device=device)
+        emb = Embedder.load(path, device=device)
+        if max_length is not None and max_length < emb.max_length:
+            emb.tokenizer.set_max_length(max_length)
+        return emb
     except MoembedError as first:
         modules = Path(path) / "modules.json"
         if not modules.exists():
@@ -80,7 +86,7 @@ def load_teacher(path: str | Path, device: str | None = "cpu") -> Teacher:
             json.loads(modules.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             raise first from None
-        return SentenceTransformerTeacher(path, device)
+        return SentenceTransformerTeacher(path, device, max_length)
 
 
 def _prompt(teacher: Teacher, name: str) -> str | None:

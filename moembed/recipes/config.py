@@ -50,7 +50,7 @@ RECIPE_PRESETS: dict[str, dict[str, Any]] = {
         "sampler_alpha": 0.3,
         "experts": 8, "top_k": 2, "every": 2,
         # Sized to finish within 30 minutes on 2 CPU cores (BENCHMARKS.md); --size and --steps scale it up.
-        "pretrain": {"steps": 40, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 4},
+        "pretrain": {"steps": 30, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 3},
         "train": {"steps": 80, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 8, "max_doc_length": 64},
         "eval": {"suite": False, "precisions": ["float32", "int8"]},
     },

@@ -136,6 +136,7 @@ def curate(qs) -> dict:
     else:
         cfg = CurateConfig(
             shard_size=1_000_000, top_k=c.filter_top_k, batch_size=64,
+            max_length=max(c.train.max_query_length, c.train.max_doc_length),  # judged as trained
             mining=MiningConfig(num_negatives=c.num_negatives, margin=c.margin) if mine else None,
         )
         report = run_curate(data, curated, str(qs.teacher), cfg, work_dir=qs.out / "work" / "curate",
