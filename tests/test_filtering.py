@@ -129,6 +129,14 @@ def test_cli_filter_with_saved_model(tmp_path, make_tiny):
     report = json.loads((tmp_path / "kept.jsonl.report.json").read_text())
     kept = (tmp_path / "kept.jsonl").read_text().splitlines()
     assert report["shards"] == 2 and report["kept"] == len(kept) and report["sources"]["wordnet"]["pairs"] == 40
+    # --max-length: the teacher sees the first tokens only (here the word and one token of its gloss)
+    res = CliRunner().invoke(app, ["filter", str(data), "--teacher", str(model_dir), "--shard-size", "20",
+                                   "--top-k", "5", "--max-length", "3", "--out", str(tmp_path / "cut.jsonl")])
+    assert res.exit_code == 0, res.output
+    cut = (tmp_path / "cut.jsonl").read_text().splitlines()
+    api = tmp_path / "api.jsonl"
+    curate(data, api, str(model_dir), CurateConfig(shard_size=20, top_k=5, max_length=3), show_progress=False)
+    assert cut == api.read_text().splitlines() and cut != kept
 
 
 def test_sentence_transformers_teacher_fallback(tmp_path, minilm_path):

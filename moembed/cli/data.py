@@ -18,6 +18,7 @@ Backend = Annotated[str, typer.Option(help="search backend: auto | faiss | exact
 Bf16 = Annotated[bool, typer.Option(help="bfloat16 autocast for the teacher")]
 CacheEmbeddings = Annotated[bool, typer.Option(help="keep shard embeddings in --work-dir for later runs")]
 Device = Annotated[str, typer.Option(help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)")]
+MaxLength = Annotated[int | None, typer.Option(help="cut texts to N tokens, as training will (default: the teacher's limit)")]
 
 data_app = typer.Typer(help="Build training pairs and BEIR evaluation sets from installed real corpora.", no_args_is_help=True)
 tokenizer_app = typer.Typer(help="Train tokenizers with the `tokenizers` library.", no_args_is_help=True)
@@ -90,13 +91,14 @@ def filter_cmd(
     bf16: Bf16 = False,
     cache_embeddings: CacheEmbeddings = False,
     device: Device = "auto",
+    max_length: MaxLength = None,
 ) -> None:
     """Consistency filtering (nomic-embed-v1 §4.2.1): drop pairs whose document is not in its query's top K."""
     from moembed.data.curate import CurateConfig, curate
     from moembed.distributed import init_from_env
 
     cfg = CurateConfig(shard_size=shard_size, top_k=top_k, batch_size=batch_size, backend=backend, bf16=bf16,
-                       cache_embeddings=cache_embeddings, device=device)
+                       cache_embeddings=cache_embeddings, device=device, max_length=max_length)
     init_from_env()  # under torchrun: join the process group, embedding is split across ranks
     report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad)
     _print_report(report)
@@ -118,6 +120,7 @@ def mine_cmd(
     bf16: Bf16 = False,
     cache_embeddings: CacheEmbeddings = False,
     device: Device = "auto",
+    max_length: MaxLength = None,
 ) -> None:
     """Positive-aware hard-negative mining (nomic-embed-v2 Eq. 5); optionally filter in the same pass."""
     from moembed.data.curate import CurateConfig, curate
@@ -127,7 +130,7 @@ def mine_cmd(
     mining = MiningConfig(num_negatives=num_negatives, margin=margin, abs_margin=abs_margin)
     cfg = CurateConfig(
         shard_size=shard_size, top_k=filter_top_k, mining=mining, batch_size=batch_size, backend=backend, bf16=bf16,
-        cache_embeddings=cache_embeddings, device=device,
+        cache_embeddings=cache_embeddings, device=device, max_length=max_length,
     )
     init_from_env()
     report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad)
