@@ -51,8 +51,9 @@ RECIPE_PRESETS: dict[str, dict[str, Any]] = {
         "experts": 8, "top_k": 2, "every": 2,
         # Sized to finish within 30 minutes on 2 CPU cores (BENCHMARKS.md); --size and --steps scale it up.
         "pretrain": {"steps": 30, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 3},
-        "train": {"steps": 80, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 8, "max_doc_length": 64},
-        "eval": {"suite": False, "precisions": ["float32", "int8"]},
+        "train": {"steps": 60, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 6, "max_doc_length": 64},
+        # float32 only: int8 calibration would embed most test texts a second time (English preset: all three)
+        "eval": {"suite": False, "precisions": ["float32"]},
     },
 }
 
