@@ -54,9 +54,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
-    from moembed.heap import bound_heap_growth
-
-    bound_heap_growth()  # as the `moembed` command does before any command
 
     if args.out.exists():
         shutil.rmtree(args.out)

@@ -6,7 +6,9 @@ activation buffers of later steps — of a different size at every sequence leng
 where freed ones fragment and stay resident. Measured on the quickstart's dense all-MiniLM-L6-v2 finetuning
 (variable-length batches, 2 threads, AMD EPYC): resident memory between steps grew from 1.25 to 2.48 GiB over
 40 steps and reached 4.6 GiB by step 200; with the threshold fixed at 1 MiB it stays at 1.1 GiB between steps
-(BENCHMARKS.md, "Quickstart: where the time and memory go").
+(BENCHMARKS.md, "Quickstart: where the time and memory go"). The price is page faults: every buffer above the
+threshold is fresh memory. `moembed encode` (2,000 texts, dense MiniLM upcycle) spent 17.9 s instead of 3.6 s in
+the kernel and took 1.38× the wall time for 80 MiB less memory, so only training fixes it (`moembed.train.train`).
 
     bound_heap_growth()   fix the threshold (no-op off glibc, or when MALLOC_MMAP_THRESHOLD_ is set by the user)
 """

@@ -10,7 +10,6 @@ import sys
 import typer
 
 from moembed.errors import MoembedError
-from moembed.heap import bound_heap_growth
 
 # One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
 COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
@@ -29,7 +28,6 @@ for _name in COMMANDS:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    bound_heap_growth()  # every command runs batches of varying size
     logging.basicConfig(level=logging.INFO, format="moembed: %(message)s", stream=sys.stderr)
     try:
         app()
