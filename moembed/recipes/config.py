@@ -52,7 +52,7 @@ RECIPE_PRESETS: dict[str, dict[str, Any]] = {
         # Sized to finish within 30 minutes on 2 CPU cores (BENCHMARKS.md); --size and --steps scale it up.
         "pretrain": {"steps": 30, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 3},
         "train": {"steps": 60, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 6, "max_doc_length": 64},
-        # float32 only: int8 calibration would embed most test texts a second time (English preset: all three)
+        # float32 only: the int8 point calibrates on up to 10,000 test texts, embedding most of them a second time
         "eval": {"suite": False, "precisions": ["float32"]},
     },
 }
