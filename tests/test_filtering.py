@@ -13,7 +13,7 @@ import moembed.data.curate as curate_mod
 from moembed.cli.main import app
 from moembed.data.corpora import read_dataset
 from moembed.data.curate import CurateConfig, curate
-from moembed.data.filtering import consistency_keep
+from moembed.data.filtering import consistency_keep, positive_rank
 from moembed.data.splits import clean_pairs
 from moembed.errors import MoembedError
 
@@ -67,6 +67,10 @@ def test_keep_rule_on_synthetic_embeddings():
     assert consistency_keep(q, docs, own, top_k=2, backend="exact").tolist() == [False, True, True]
     assert consistency_keep(q, docs, own, top_k=1, backend="faiss").tolist() == [False, False, True]
     assert consistency_keep(q, docs, own, top_k=3).all()
+    assert positive_rank(q, docs, own, top_k=4, backend="exact").tolist() == [2, 1, 0]
+    assert positive_rank(q, docs, own, top_k=2, backend="faiss").tolist() == [2, 1, 0]  # capped at k: not in top 2
+    tied = np.array([[1, 1, 0, 0]], np.float32) / np.sqrt(2)  # documents 0 and 1 tie: neither is above the other
+    assert positive_rank(tied, docs, np.array([1]), top_k=2).tolist() == [0]
 
 
 def test_resumed_run_equals_uninterrupted(tmp_path, make_tiny, monkeypatch):

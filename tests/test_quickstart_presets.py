@@ -2,7 +2,7 @@
 per-language report.
 
 The tiny end-to-end run uses the multilingual preset's code path — data suite, α-sampled sources, contrastive
-pretraining then finetuning with mined negatives, Matryoshka, per-language and cross-lingual report — on three
+pretraining on the looser pool then finetuning on its stricter pairs with mined negatives, Matryoshka, per-language and cross-lingual report — on three
 sources of the real multilingual suite (English WordNet, German chatterbot, FreeDict German → English) and, to
 stay within CI's time, all-MiniLM-L6-v2 as base instead of the 118M-parameter multilingual-e5-small (given through
 the preset's hook --base).
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moembed.errors import MoembedError
 from moembed.recipes.config import DATA_SUITES, RECIPE_PRESETS, load_quickstart_config
 
 
@@ -32,6 +33,52 @@ def test_presets_are_layers_under_the_yaml_and_the_options(tmp_path):
     assert cfg.train.steps == 4 and cfg.sampler_alpha == 0.3
     assert load_quickstart_config(tmp_path / "c.yaml", "english").pretrain.steps == 5  # --preset over the file's
     assert DATA_SUITES["multilingual"] == "moembed.data.multilingual:multilingual_suite"
+
+
+def test_pretraining_pool_is_looser_and_holds_the_finetuning_pairs(tmp_path, monkeypatch):
+    """Curation runs once at the pretraining pool's top-k; the finetuning pool is its top-`filter_top_k` pairs with
+    a mined negative (OUT/train), the pretraining pool every curated pair without negatives (OUT/pretrain); each
+    pool drops the sources below its own batch size."""
+    from types import SimpleNamespace
+
+    import moembed.data.curate
+    from moembed.fileio import write_jsonl
+    from moembed.recipes.curation import curate
+
+    seen = {}
+
+    def fake_curate(data, out, teacher, cfg, **kw):  # the teacher's verdicts, as moembed.data.curate writes them
+        seen["top_k"] = cfg.top_k
+        rows = [{"query": f"{s}{i}", "document": f"d{s}{i}", "source": s, "positive_rank": i % 10,
+                 "negatives": [] if i % 7 == 0 else ["n"], "negative_scores": [0.5]}
+                for s, n in (("a", 40), ("b", 12)) for i in range(n)]
+        write_jsonl(out, rows)
+        return {"sources": {}}
+
+    monkeypatch.setattr(moembed.data.curate, "curate", fake_curate)
+    cfg = load_quickstart_config(None, "multilingual").model_copy(deep=True)
+    cfg.pretrain.batch_size, cfg.train.batch_size, cfg.filter_top_k = 8, 4, 2
+    qs = SimpleNamespace(cfg=cfg, out=tmp_path, teacher="T", progress=False)
+    result = curate(qs)
+    assert seen["top_k"] == 10  # one pass at the looser filter
+
+    def rows(pool, source):
+        return [json.loads(x) for x in (tmp_path / pool / f"{source}.jsonl").read_text().splitlines()]
+
+    fine = rows("train", "a")
+    assert fine and all(r["positive_rank"] < 2 and r["negatives"] for r in fine)
+    assert len(fine) == sum(i % 10 < 2 and i % 7 != 0 for i in range(40))
+    pre = rows("pretrain", "a")
+    assert len(pre) == 40 and not any("negatives" in r for r in pre)
+    assert {r["query"] for r in fine} < {r["query"] for r in pre}
+    # b: 12 pairs fill a pretraining batch of 8; its top-2 pairs with a negative (3) do not fill a batch of 4.
+    assert result["pretrain_sources"] == {"a": 40, "b": 12} and result["train_sources"] == {"a": len(fine)}
+    assert result["too_small"] == {"b": 3} and result["pretrain_too_small"] == {}
+    assert not (tmp_path / "train" / "b.jsonl").exists()
+
+    (tmp_path / "c.yaml").write_text("preset: multilingual\npretrain: {filter_top_k: 1}\n")
+    with pytest.raises(MoembedError, match=r"pretrain.filter_top_k \(1\) must be at least filter_top_k \(2\)"):
+        load_quickstart_config(tmp_path / "c.yaml")
 
 
 def test_named_base_is_converted_once_into_the_run(tmp_path, monkeypatch):
@@ -67,7 +114,7 @@ TINY = """\
 preset: multilingual
 size: tiny
 filter_top_k: 10
-pretrain: {steps: 3, batch_size: 16, warmup_steps: 1}
+pretrain: {steps: 3, batch_size: 16, warmup_steps: 1, filter_top_k: 30}
 train: {steps: 3, batch_size: 16, warmup_steps: 1, checkpoint_every: 3, max_query_length: 16, max_doc_length: 32}
 eval: {precisions: [float32]}
 """
@@ -99,6 +146,18 @@ def test_tiny_multilingual_quickstart_end_to_end(tmp_path, monkeypatch):
         assert pre["loss"]["matryoshka_dims"] == fin["loss"]["matryoshka_dims"] == [384, 256, 128]
         assert pre["sampler"]["temperature"] == fin["sampler"]["temperature"] == pytest.approx(1 / 0.3)
         assert {s["name"] for s in fin["data"]} <= {"wordnet", "chatterbot-de", "freedict-deu-eng"}
+        # Stage 1 reads the larger, noisier top-30 pool, stage 2 the top-10 pairs with a mined negative.
+        assert {Path(d["path"]).parent for d in pre["data"]} == {out / "pretrain"}
+        assert {Path(d["path"]).parent for d in fin["data"]} == {out / "train"}
+
+    curated = results["curate"]
+    assert curated["filter_top_k"] == 30
+    assert sum(curated["pretrain_sources"].values()) > sum(curated["train_sources"].values())
+    for source in curated["train_sources"]:
+        fine, pre = ([json.loads(x) for x in (out / pool / f"{source}.jsonl").read_text().splitlines()]
+                     for pool in ("train", "pretrain"))
+        assert all(r["positive_rank"] < 10 and r["negatives"] for r in fine)
+        assert {(r["query"], r["document"]) for r in fine} <= {(r["query"], r["document"]) for r in pre}
 
     # The report compares base, dense and MoE per language and cross-lingually and says what it measured.
     text = (out / "report" / "README.md").read_text()
@@ -107,6 +166,7 @@ def test_tiny_multilingual_quickstart_end_to_end(tmp_path, monkeypatch):
         assert row in text, row
     assert "Cross-lingual retrieval (1 language pairs)" in text and "English: base" in text
     assert "stage 1, contrastive pretraining" in text and "α = 0.3" in text
+    assert "consistency filtering top-30 (the larger, noisier pool)" in text and "pretrained on, per source" in text
     card = (out / "report" / "models" / "moe" / "README.md").read_text()
     assert "8 experts, top-2" in card
     res = json.loads((out / "report" / "results.json").read_text())["results"]

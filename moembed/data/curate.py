@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moembed import distributed
-from moembed.data.filtering import consistency_keep
+from moembed.data.filtering import positive_rank
 from moembed.data.mining import MiningConfig, mine
 from moembed.data.pairs import ReadStats, iter_shards
 from moembed.data.search import BACKENDS
@@ -109,23 +109,25 @@ def _search_shard(rows, q_emb, q_pos, docs, d_emb, d_pos, cfg: CurateConfig) -> 
         sel = np.array(sel)
         doc_ids, own = np.unique(d_pos[sel], return_inverse=True)  # the source's documents; own: (n,) local
         Q, D = q_emb[q_pos[sel]], d_emb[doc_ids]  # (n, d), (m, d)
-        keep = consistency_keep(Q, D, own, cfg.top_k, cfg.backend) if cfg.top_k else np.ones(len(sel), bool)
+        rank = positive_rank(Q, D, own, cfg.top_k, cfg.backend) if cfg.top_k else np.zeros(len(sel), np.int64)
+        keep = rank < (cfg.top_k or 1)  # consistency_keep's rule, with each kept pair's rank recorded
         counts[source] = {"pairs": len(sel), "kept": int(keep.sum())}
+        k = np.flatnonzero(keep)
+        negatives = [None] * len(k)
         if cfg.mining is not None:
             by_query: dict[int, set[int]] = {}
             for qi, di in zip(q_pos[sel], own):
                 by_query.setdefault(int(qi), set()).add(int(di))
-            k = np.flatnonzero(keep)
             positives = [by_query[int(q_pos[sel[j]])] for j in k]
-            neg, neg_scores = mine(Q[k], D, own[k], positives, cfg.mining, cfg.backend)
-            for j, ni, ns in zip(k, neg, neg_scores):
-                row = dict(rows[sel[j]])
-                row["negatives"] = [docs[doc_ids[x]] for x in ni]
-                row["negative_scores"] = ns
-                kept_rows[int(sel[j])] = row
-        else:
-            for j in np.flatnonzero(keep):
-                kept_rows[int(sel[j])] = rows[sel[j]]
+            negatives = zip(*mine(Q[k], D, own[k], positives, cfg.mining, cfg.backend))
+        for j, mined in zip(k, negatives):
+            row = dict(rows[sel[j]])
+            if cfg.top_k:
+                row["positive_rank"] = int(rank[j])  # documents the teacher ranks above the pair's own (0: first)
+            if mined is not None:
+                row["negatives"] = [docs[doc_ids[x]] for x in mined[0]]
+                row["negative_scores"] = mined[1]
+            kept_rows[int(sel[j])] = row
     return [kept_rows[i] for i in sorted(kept_rows)], counts
 
 

@@ -14,17 +14,24 @@ from moembed.data.search import search
 TIE_TOLERANCE = 1e-6  # a document tied with the k-th best counts as in the top k (FAISS and exact may order ties)
 
 
-def consistency_keep(
+def positive_rank(
     queries: np.ndarray, docs: np.ndarray, own: np.ndarray, top_k: int, backend: str = "auto"
 ) -> np.ndarray:
-    """Which pairs to keep: bool (n,).
+    """How many documents the teacher ranks above each pair's own document: int (n,), 0 = first, capped at
+    `top_k` (= not in the top k). A document tied with the pair's own does not count as above it.
 
     queries: (n, d) L2-normalised query embeddings, one row per pair; docs: (m, d) L2-normalised embeddings of
     the shard's distinct documents; own: (n,) index into `docs` of each pair's document.
     """
     if len(queries) == 0:
-        return np.zeros(0, bool)
-    scores, idx = search(queries, docs, top_k, backend)  # (n, k) best first
+        return np.zeros(0, np.int64)
+    scores, _ = search(queries, docs, top_k, backend)  # (n, k) best first
     own_scores = np.einsum("nd,nd->n", queries, docs[own])  # (n,) cosine with the pair's own document
-    in_top = (idx == own[:, None]).any(axis=1)
-    return in_top | (own_scores >= scores[:, -1] - TIE_TOLERANCE)
+    return (scores > own_scores[:, None] + TIE_TOLERANCE).sum(axis=1)  # the pair's own is never above itself
+
+
+def consistency_keep(
+    queries: np.ndarray, docs: np.ndarray, own: np.ndarray, top_k: int, backend: str = "auto"
+) -> np.ndarray:
+    """Which pairs to keep: bool (n,), those whose own document ranks among the top k (`positive_rank` < k)."""
+    return positive_rank(queries, docs, own, top_k, backend) < top_k

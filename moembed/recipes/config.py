@@ -50,7 +50,8 @@ RECIPE_PRESETS: dict[str, dict[str, Any]] = {
         "sampler_alpha": 0.3,
         "experts": 8, "top_k": 2, "every": 2,
         # Sized to finish within 30 minutes on 2 CPU cores (BENCHMARKS.md); --size and --steps scale it up.
-        "pretrain": {"steps": 30, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 3},
+        # Pretraining on the looser top-10 pool, finetuning on its top-2 pairs with a mined negative.
+        "pretrain": {"steps": 30, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 3, "filter_top_k": 10},
         "train": {"steps": 60, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 6, "max_doc_length": 64},
         # float32 only: the int8 point calibrates on up to 10,000 test texts, embedding most of them a second time
         "eval": {"suite": False, "precisions": ["float32"]},
@@ -117,7 +118,12 @@ class QuickTrain(_Strict):
 
 class PretrainStage(_Strict):
     """Stage 1 of two: weakly-supervised contrastive pretraining — InfoNCE with in-batch negatives only, on the
-    consistency-filtered pairs, larger batches (nomic-embed-v1 §3, without the MLM stage). Stage 2 is `train`."""
+    consistency-filtered pairs, larger batches (nomic-embed-v1 §3, without the MLM stage). Stage 2 is `train`.
+
+    Its pool is the larger, noisier one: every pair whose document the teacher ranks in the top `filter_top_k`
+    (looser than the recipe's filter_top_k, which picks the finetuning pairs among them), mined negative or not."""
+
+    filter_top_k: int | None = Field(None, ge=1)  # None: the recipe's filter_top_k (the finetuning pool's pairs)
 
     steps: int = Field(100, ge=1)
     batch_size: int = Field(64, ge=2)  # global: all processes together
@@ -166,6 +172,10 @@ class QuickstartConfig(_Strict):
             raise ValueError(f"data_suite: unknown {self.data_suite!r}; choose one of {', '.join(DATA_SUITES)}")
         if self.pretrain is not None and self.pretrain.batch_size % self.nproc:
             raise ValueError(f"pretrain.batch_size ({self.pretrain.batch_size}) must be divisible by nproc ({self.nproc})")
+        if self.pretrain is not None and self.pretrain.filter_top_k is not None:
+            if self.filter_top_k is None or self.pretrain.filter_top_k < self.filter_top_k:
+                raise ValueError(f"pretrain.filter_top_k ({self.pretrain.filter_top_k}) must be at least filter_top_k "
+                                 f"({self.filter_top_k}): the pretraining pool holds the finetuning pairs and more")
         if self.train.batch_size % self.nproc:
             raise ValueError(f"train.batch_size ({self.train.batch_size}) must be divisible by nproc ({self.nproc})")
         if self.top_k > self.experts:

@@ -6,7 +6,9 @@
                      corpora (`datasets`), in that order of precedence
     curate(qs)       consistency filtering + positive-aware mining with the teacher (moembed.data.curate), one
                      embedding pass for both; then one training file per source, OUT/train/<source>.jsonl, so
-                     every batch comes from a single source (nomic-embed-v1 §4.2.2)
+                     every batch comes from a single source (nomic-embed-v1 §4.2.2). With a pretraining stage
+                     also OUT/pretrain/<source>.jsonl: the larger, noisier pool (a looser top-k, no negative
+                     needed) that stage 1 trains on, of which the finetuning pairs are a subset
 
 Negatives given in the user's records (`given_negatives` in train.jsonl) are combined with mined ones as
 `data.negatives` says (moembed.recipes.config.UserData).
@@ -129,55 +131,77 @@ def curate(qs) -> dict:
     c = qs.cfg
     mode = c.data.negatives if c.user_data else "mined"
     mine = mode != "given"
+    pool_top_k = c.pretrain.filter_top_k if c.pretrain and c.pretrain.filter_top_k else c.filter_top_k
     data, curated = qs.out / "data" / "train.jsonl", qs.out / "data" / "curated.jsonl"
     report = None
-    if c.filter_top_k is None and not mine:
+    if pool_top_k is None and not mine:
         shutil.copy2(data, curated)
     else:
         cfg = CurateConfig(
-            shard_size=1_000_000, top_k=c.filter_top_k, batch_size=64,
+            shard_size=1_000_000, top_k=pool_top_k, batch_size=64,
             max_length=max(c.train.max_query_length, c.train.max_doc_length),  # judged as trained
             mining=MiningConfig(num_negatives=c.num_negatives, margin=c.margin) if mine else None,
         )
         report = run_curate(data, curated, str(qs.teacher), cfg, work_dir=qs.out / "work" / "curate",
                             show_progress=qs.progress)
-    kept, dropped, negatives = _per_source_files(qs, curated, mode)
+    need_negatives = c.train.hard_negatives > 0
+
+    def finetune_row(row: dict) -> dict | None:
+        if pool_top_k != c.filter_top_k and row["positive_rank"] >= c.filter_top_k:
+            return None  # in the pretraining pool only
+        row["negatives"] = _negatives(row, mode, c.num_negatives)
+        # no negative to draw: not trained on (as the training reader would skip it)
+        return row if row["negatives"] or not need_negatives else None
+
+    kept, dropped, negatives = _pool_files(curated, qs.out / "train", c.train.batch_size, finetune_row)
     if dropped:
-        log.info("sources with fewer pairs than a batch, not trained on: %s", dropped)
+        log.info("sources with fewer pairs than a batch, not finetuned on: %s", dropped)
     if not kept:
         raise MoembedError("quickstart: no source has a full batch of curated pairs; give more data (or a larger "
                            "--size, a smaller --batch-size)")
-    return {"filter": report, "train_sources": kept, "too_small": dropped, "negatives_mode": mode,
-            "negatives_per_query": negatives}
+    out = {"filter": report, "filter_top_k": pool_top_k, "train_sources": kept, "too_small": dropped,
+           "negatives_mode": mode, "negatives_per_query": negatives}
+    if c.pretrain is not None:
+        # Pretraining draws in-batch negatives only: every curated pair, no mined negative needed or kept.
+        def pretrain_row(row: dict) -> dict:
+            for key in ("negatives", "negative_scores", "given_negatives"):
+                row.pop(key, None)
+            return row
+
+        pre_kept, pre_dropped, _ = _pool_files(curated, qs.out / "pretrain", c.pretrain.batch_size, pretrain_row)
+        if not pre_kept:
+            raise MoembedError("quickstart: no source has a full pretraining batch of curated pairs; give more data "
+                               "(or a larger --size, a smaller pretrain.batch_size)")
+        out.update(pretrain_sources=pre_kept, pretrain_too_small=pre_dropped)
+    return out
 
 
-def _per_source_files(qs, curated: Path, mode: str) -> tuple[dict, dict, float]:
-    """Stream the curated pairs into OUT/train/<source>.jsonl; sources below one batch are removed.
+def _pool_files(curated: Path, out_dir: Path, batch_size: int, select) -> tuple[dict, dict, float]:
+    """Stream the curated pairs that `select(row)` returns (None: left out) into out_dir/<source>.jsonl, one file
+    per source so that every batch comes from one source; sources below one batch are removed.
 
     Returns kept {source: pairs}, dropped {source: pairs} and the mean number of negatives per kept pair."""
-    need_negatives = qs.cfg.train.hard_negatives > 0
     counts: dict[str, int] = {}
     handles = {}
     n_neg = 0
-    with atomic_dir(qs.out / "train") as tmp:
+    with atomic_dir(out_dir) as tmp:
         try:
             for _, row in iter_jsonl(curated):
-                row["negatives"] = _negatives(row, mode, qs.cfg.num_negatives)
-                if need_negatives and not row["negatives"]:
-                    continue  # no negative to draw: not trained on (as the training reader would skip it)
+                row = select(row)
+                if row is None:
+                    continue
                 s = str(row["source"])
                 if s not in handles:
                     handles[s] = open(tmp / f"{s}.jsonl", "w", encoding="utf-8")
                 handles[s].write(json.dumps(row, ensure_ascii=False) + "\n")
                 counts[s] = counts.get(s, 0) + 1
-                n_neg += len(row["negatives"])
+                n_neg += len(row.get("negatives") or [])
         finally:
             for fh in handles.values():
                 fh.close()
-        dropped = {s: n for s, n in counts.items() if n < qs.cfg.train.batch_size}
+        dropped = {s: n for s, n in counts.items() if n < batch_size}
         for s in dropped:
             (tmp / f"{s}.jsonl").unlink()
     kept = {s: n for s, n in sorted(counts.items()) if s not in dropped}
     total = sum(counts.values())
     return kept, dict(sorted(dropped.items())), round(n_neg / total, 2) if total else 0.0
-

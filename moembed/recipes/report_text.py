@@ -30,6 +30,9 @@ def decisions(qs, stages: dict) -> dict:
         "kept_per_source": {s: {"pairs": v["pairs"], "kept": v["kept"]} for s, v in sorted(sources.items())},
         "trained_per_source": curate.get("train_sources", {}),
         "too_small_sources": curate.get("too_small", {}),
+        "filter_top_k": curate.get("filter_top_k", c.filter_top_k),
+        "pretrained_per_source": curate.get("pretrain_sources"),
+        "pretrain_too_small": curate.get("pretrain_too_small", {}),
         "negatives": {"mode": curate.get("negatives_mode"), "per_query": curate.get("negatives_per_query"),
                       "mined": c.num_negatives, "margin": c.margin, "drawn_per_step": t.hard_negatives},
         "steps": t.steps, "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps,
@@ -94,13 +97,21 @@ def _decision_lines(d: dict) -> str:
                      "duplicate pairs dropped")
     kept = d["kept_per_source"]
     if kept:
-        lines.append("- consistency filtering kept: " + ", ".join(
+        lines.append(f"- consistency filtering (top-{d['filter_top_k']}) kept: " + ", ".join(
             f"{s} {v['kept']}/{v['pairs']} ({100 * v['kept'] / max(v['pairs'], 1):.0f}%)" for s, v in kept.items()))
-    lines.append("- trained on, per source (one source per batch): " + ", ".join(
-        f"{s} {n}" for s, n in d["trained_per_source"].items()))
+    pre = d.get("pretrained_per_source")
+    if pre is not None:
+        lines.append(f"- pretrained on, per source (the top-{d['filter_top_k']} pool, one source per batch): "
+                     + ", ".join(f"{s} {n}" for s, n in pre.items()) + f" — {sum(pre.values())} pairs")
+        if d["pretrain_too_small"]:
+            lines.append("- not pretrained on (fewer pairs than one pretraining batch): " + ", ".join(
+                f"{s} {n}" for s, n in d["pretrain_too_small"].items()))
+    lines.append(f"- {'finetuned' if pre is not None else 'trained'} on, per source (one source per batch): "
+                 + ", ".join(f"{s} {n}" for s, n in d["trained_per_source"].items())
+                 + f" — {sum(d['trained_per_source'].values())} pairs")
     if d["too_small_sources"]:
-        lines.append("- not trained on (fewer pairs than one batch): " + ", ".join(
-            f"{s} {n}" for s, n in d["too_small_sources"].items()))
+        lines.append(f"- not {'finetuned' if pre is not None else 'trained'} on (fewer pairs than one batch): "
+                     + ", ".join(f"{s} {n}" for s, n in d["too_small_sources"].items()))
     n = d["negatives"]
     lines.append(f"- negatives per query: {n['per_query']} on average ({n['mode']}: up to {n['mined']} mined by the "
                  f"teacher, positive-aware margin {n['margin']}), {n['drawn_per_step']} drawn per query in each step")
@@ -119,20 +130,27 @@ def settings(qs) -> str:
     bf16 = "on" if t.bf16_on("cuda" if torch.cuda.is_available() else "cpu") else "off"
     teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
     pre = c.pretrain
+
+    def kept(k: int | None) -> str:
+        return f"the pairs kept by consistency filtering top-{k}" if k else "every pair (no consistency filtering)"
+
+    pre_k = (pre.filter_top_k or c.filter_top_k) if pre else None
     stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
-              f"{pre.batch_size}, in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with "
-              f"{pre.warmup_steps} warmup steps, Matryoshka dims {qs.matryoshka_dims}; then stage 2:\n") if pre else ""
+              f"{pre.batch_size}, on {kept(pre_k)}{' (the larger, noisier pool)' if pre_k != c.filter_top_k else ''}"
+              f", in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with {pre.warmup_steps} "
+              f"warmup steps, Matryoshka dims {qs.matryoshka_dims}; then stage 2:\n") if pre else ""
     alpha = (f"- sources (one per language or language pair) sampled with p ∝ n^α, α = {c.sampler_alpha} "
              "(nomic-embed-v2 Table 2)\n") if c.sampler_alpha else ""
     return stage1 + alpha + (
         f"- base: {base_label(qs)[: -len(' (base)')]} ({qs.width} wide); MoE: every {c.every}nd MLP upcycled to "
         f"{c.experts} experts, top-{c.top_k}, renormalised gates (nomic-embed-v2 §4.3)\n"
-        f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), {t.hard_negatives} mined hard "
-        f"negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims {qs.matryoshka_dims}, load-balancing "
-        f"α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with {t.warmup_steps} warmup steps and linear decay, "
-        f"max lengths {t.max_query_length}/{t.max_doc_length} tokens, bf16 autocast {bf16}\n"
-        f"- data curation: consistency filtering top-{c.filter_top_k} and positive-aware mining "
-        f"({c.num_negatives} negatives, margin {c.margin}) with {teacher} as teacher\n"
+        f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), on {kept(c.filter_top_k)} "
+        f"with {t.hard_negatives} mined hard negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims "
+        f"{qs.matryoshka_dims}, load-balancing α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with "
+        f"{t.warmup_steps} warmup steps and linear decay, max lengths {t.max_query_length}/{t.max_doc_length} "
+        f"tokens, bf16 autocast {bf16}\n"
+        f"- data curation: consistency filtering and positive-aware mining ({c.num_negatives} negatives, margin "
+        f"{c.margin}) with {teacher} as teacher, one embedding pass\n"
     )
 
 

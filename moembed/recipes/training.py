@@ -4,9 +4,10 @@
     upcycle(qs)          the base with every `every`-th MLP turned into `experts` experts, top-`top_k`
                          (nomic-embed-v2 §4.3), and the dense copy; both with the Nomic task prefixes
     train_config(qs, k, stage)  the config of model kind k (moe | dense) in stage "pretrain" (contrastive,
-                         in-batch negatives only) or "finetune" (with mined hard negatives, from the pretrained
-                         model when there is a pretraining stage): the same for both kinds but the
-                         load-balancing loss (MoE only); both with Matryoshka; sources sampled with α
+                         in-batch negatives only, on the pretraining pool OUT/pretrain) or "finetune" (OUT/train,
+                         with mined hard negatives, from the pretrained model when there is a pretraining
+                         stage): the same for both kinds but the load-balancing loss (MoE only); both with
+                         Matryoshka; sources sampled with α
     train(qs, k, stage)  in this process (nproc 1) or under torchrun with `nproc` processes, which the recipe
                          launches itself; training resumes from its last checkpoint either way
 
@@ -102,7 +103,12 @@ def train_config(qs, kind: str, stage: str = "finetune"):
 
     c, out = qs.cfg, qs.out
     t = c.train if stage == "finetune" else c.pretrain
-    sources = qs.stage_result("curate")["train_sources"]
+    curated = qs.stage_result("curate")
+    pool = "train" if stage == "finetune" else "pretrain"  # OUT/pretrain: the larger, noisier pool
+    if f"{pool}_sources" not in curated:
+        raise MoembedError(f"{qs.out / 'stages' / 'curate.json'}: no {pool} pool (curated by an older moembed); "
+                           "remove that file to curate again")
+    sources = curated[f"{pool}_sources"]
     init = out / "models" / f"{kind}-init"
     if stage == "finetune" and c.pretrain is not None:
         init = out / "runs" / run_name(kind, "pretrain") / "model"
@@ -111,7 +117,7 @@ def train_config(qs, kind: str, stage: str = "finetune"):
         "stage": "finetune" if stage == "finetune" else "contrastive",
         "model": str(init),
         "data": [
-            {"path": str(out / "train" / f"{s}.jsonl"), "name": s, "query_prefix": PROMPTS["search_query"],
+            {"path": str(out / pool / f"{s}.jsonl"), "name": s, "query_prefix": PROMPTS["search_query"],
              "document_prefix": PROMPTS["search_document"]}
             for s in sources
         ],
