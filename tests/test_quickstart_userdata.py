@@ -84,7 +84,7 @@ def test_quickstart_on_user_data_end_to_end(tmp_path):
     for kind in ("moe", "dense", "moe-st", "dense-st"):
         assert (report / "models" / kind / "config.json").exists() or (report / "models" / kind / "modules.json").exists()
     assert "## What the recipe decided" in text and "split by document" in text and "learning rate 0.0001" in text
-    assert "consistency filtering kept: gcide-reverse" in text and "negatives per query" in text
+    assert "consistency filtering (top-10) kept: gcide-reverse" in text and "negatives per query" in text
     assert "too small for the MoE" in text and "Warning" in r.stdout
     assert "## Built-in dev suite" in text and "retrieval-wordnet" in text
 
