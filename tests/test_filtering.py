@@ -73,6 +73,25 @@ def test_keep_rule_on_synthetic_embeddings():
     assert positive_rank(tied, docs, np.array([1]), top_k=2).tolist() == [0]
 
 
+def test_search_scoring_the_own_document_a_little_higher_does_not_push_it_down(monkeypatch):
+    """FAISS and the exact search sum in another order than the own-score einsum: a few ulps more for the pair's
+    own document must not count it as a document above itself."""
+    import moembed.data.filtering as filtering
+
+    docs = np.eye(3, dtype=np.float32)
+    q = np.array([[0.6, 0.8, 0]], np.float32)  # own document 1 first (0.8), document 0 second (0.6)
+
+    def search(queries, d, k, backend):
+        from moembed.data.search import search_exact
+
+        scores, idx = search_exact(queries, d, k)
+        return np.where(idx == 1, scores + 1e-5, scores), idx
+
+    monkeypatch.setattr(filtering, "search", search)
+    assert positive_rank(q, docs, np.array([1]), top_k=1).tolist() == [0]
+    assert consistency_keep(q, docs, np.array([1]), top_k=1).tolist() == [True]
+
+
 def test_resumed_run_equals_uninterrupted(tmp_path, make_tiny, monkeypatch):
     emb = make_tiny(seed=1)
     data = _write(tmp_path / "pairs.jsonl", _wordnet_rows(90))

@@ -25,9 +25,12 @@ def positive_rank(
     """
     if len(queries) == 0:
         return np.zeros(0, np.int64)
-    scores, _ = search(queries, docs, top_k, backend)  # (n, k) best first
+    scores, idx = search(queries, docs, top_k, backend)  # (n, k) best first
     own_scores = np.einsum("nd,nd->n", queries, docs[own])  # (n,) cosine with the pair's own document
-    return (scores > own_scores[:, None] + TIE_TOLERANCE).sum(axis=1)  # the pair's own is never above itself
+    # The search's own score for the pair's document may differ from this one in the last bits (another
+    # summation order), so the pair's own document is left out by index, not by score.
+    above = (scores > own_scores[:, None] + TIE_TOLERANCE) & (idx != own[:, None])
+    return above.sum(axis=1)
 
 
 def consistency_keep(
