@@ -64,7 +64,9 @@ class OrtMiniLM:
             m = feed["attention_mask"][..., None].astype(np.float32)
             pooled = (hidden * m).sum(1) / np.maximum(m.sum(1), 1e-9)
             out[idx] = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
-        return out if dim is None else out[:, :dim] / np.linalg.norm(out[:, :dim], axis=1, keepdims=True)
+        if truncate_dim is None:
+            return out
+        return out[:, :truncate_dim] / np.linalg.norm(out[:, :truncate_dim], axis=1, keepdims=True)
 
 
 def main() -> None:
