@@ -171,3 +171,17 @@ def test_tiny_multilingual_quickstart_end_to_end(tmp_path, monkeypatch):
     assert "8 experts, top-2" in card
     res = json.loads((out / "report" / "results.json").read_text())["results"]
     assert {e["task_name"] for e in res["moe"]} == {"wordnet", "chatterbot-de", "freedict-deu-eng"}
+
+
+def test_a_run_curated_before_the_pools_is_refused_with_the_file_to_remove(tmp_path):
+    from types import SimpleNamespace
+
+    from moembed.recipes.training import train_config
+
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
+    qs = SimpleNamespace(cfg=load_quickstart_config(None, "multilingual"), out=tmp_path, matryoshka_dims=[384, 128],
+                         stage_result=lambda name: json.loads((tmp_path / "stages" / f"{name}.json").read_text()))
+    with pytest.raises(MoembedError, match=r"curate.json: no pretrain pool .* remove that file"):
+        train_config(qs, "moe", "pretrain")
+    assert train_config(qs, "moe", "finetune").data[0].path.endswith("train/a.jsonl")
