@@ -8,9 +8,14 @@ where freed ones fragment and stay resident. Measured on the quickstart's dense 
 40 steps and reached 4.6 GiB by step 200; with the threshold fixed at 1 MiB it stays at 1.1 GiB between steps
 (BENCHMARKS.md, "Quickstart: where the time and memory go"). The price is page faults: every buffer above the
 threshold is fresh memory. `moembed encode` (2,000 texts, dense MiniLM upcycle) spent 17.9 s instead of 3.6 s in
-the kernel and took 1.38× the wall time for 80 MiB less memory, so only training fixes it (`moembed.train.train`).
+the kernel and took 1.38× the wall time for 80 MiB less memory, so only training fixes it (`moembed.train.train`),
+and only while it trains: the evaluation after it in the same process paid 24% more CPU time under the fixed
+threshold (BENCHMARKS.md), so leaving the block sets glibc's ceiling, the state its own rule reaches after the
+first large free.
 
+    bounded_heap()        a block that runs with the threshold fixed, then restores the ceiling and trims
     bound_heap_growth()   fix the threshold (no-op off glibc, or when MALLOC_MMAP_THRESHOLD_ is set by the user)
+    release_free_heap()   return the heap's free pages to the system (malloc_trim): between a recipe's stages
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 THRESHOLD = 1 << 20  # bytes: tensors of a few thousand floats and more are mmapped and returned on free
+CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own rule stops raising the threshold
 
 
 def _glibc():
@@ -42,3 +50,26 @@ def bound_heap_growth(threshold: int = THRESHOLD) -> bool:
         return False
     libc = _glibc()
     return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def release_free_heap() -> bool:
+    """Return the free pages of every malloc arena to the system; whether any were. What one stage freed (a
+    teacher's embeddings, a model) otherwise stays resident under the next stage's peak."""
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+@contextmanager
+def bounded_heap(threshold: int = THRESHOLD) -> Iterator[bool]:
+    """Run the block with the mmap threshold fixed at `threshold` (yields whether it was); on leaving, set the
+    threshold to glibc's ceiling (and the trim threshold to twice it, as glibc's rule does), so later work reuses
+    freed blocks as under the defaults, and return the freed heap to the system."""
+    fixed = bound_heap_growth(threshold)
+    try:
+        yield fixed
+    finally:
+        if fixed:
+            libc = _glibc()
+            libc.mallopt(M_MMAP_THRESHOLD, CEILING)
+            libc.mallopt(M_TRIM_THRESHOLD, 2 * CEILING)
+        release_free_heap()

@@ -1,4 +1,5 @@
-"""moembed.heap: with the mmap threshold fixed, a large block freed does not send the next one of its size to the heap."""
+"""moembed.heap: with the mmap threshold fixed, a large block freed does not send the next one of its size to the heap;
+leaving `bounded_heap` restores heap reuse; `release_free_heap` returns freed heap pages to the system."""
 
 import json
 import subprocess
@@ -13,7 +14,7 @@ from moembed.heap import _glibc
 # free, so the second comes from the heap; with the threshold fixed it is mmapped again.
 PROBE = r"""
 import ctypes, json, sys
-from moembed.heap import bound_heap_growth
+from moembed.heap import bound_heap_growth, bounded_heap
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -21,19 +22,48 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = MallInfo2
-fixed = bound_heap_growth() if sys.argv[1] == "fix" else False
 size = 4 << 20
-libc.free(libc.malloc(size))
-before = libc.mallinfo2().hblks
-p = libc.malloc(size)
-mmapped = libc.mallinfo2().hblks > before
-libc.free(p)
-print(json.dumps({"fixed": fixed, "mmapped": mmapped}))
+def second_mmapped():
+    libc.free(libc.malloc(size))
+    before = libc.mallinfo2().hblks
+    p = libc.malloc(size)
+    mmapped = libc.mallinfo2().hblks > before
+    libc.free(p)
+    return mmapped
+if sys.argv[1] == "block":  # inside bounded_heap, then after it
+    with bounded_heap() as fixed:
+        inside = second_mmapped()
+    print(json.dumps({"fixed": fixed, "mmapped": inside, "after": second_mmapped()}))
+else:
+    fixed = bound_heap_growth() if sys.argv[1] == "fix" else False
+    print(json.dumps({"fixed": fixed, "mmapped": second_mmapped()}))
+"""
+
+# 64 MiB of small blocks (heap, below any threshold) freed except the last one, which pins the heap's top so that
+# glibc's own trimming cannot return them: only malloc_trim does; resident memory is read from /proc.
+TRIM = r"""
+import ctypes, json, os
+from moembed.heap import release_free_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * page / 2**20
+blocks = [libc.malloc(64 << 10) for _ in range(1024)]
+for b in blocks:
+    ctypes.memset(b, 1, 64 << 10)
+for b in blocks[:-1]:
+    libc.free(b)
+before = rss()
+released = release_free_heap()
+print(json.dumps({"released": released, "freed_mib": before - rss()}))
 """
 
 
-def probe(mode: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, env=env)
+def probe(mode: str, env: dict | None = None, code: str = PROBE) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout)
 
 
@@ -52,3 +82,14 @@ def test_users_own_setting_is_left_alone():
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 20)}
     assert probe("fix", env) == {"fixed": False, "mmapped": False}
+
+
+@glibc_only
+def test_leaving_the_block_restores_heap_reuse():
+    assert probe("block") == {"fixed": True, "mmapped": True, "after": False}
+
+
+@glibc_only
+def test_free_heap_pages_are_returned():
+    out = probe("trim", code=TRIM)
+    assert out["released"] and out["freed_mib"] > 48

@@ -42,7 +42,7 @@ def test_pretraining_pool_is_looser_and_holds_the_finetuning_pairs(tmp_path, mon
     from types import SimpleNamespace
 
     import moembed.data.curate
-    from moembed.fileio import write_jsonl
+    from moembed.fileio import iter_jsonl, write_jsonl
     from moembed.recipes.curation import curate
 
     seen = {}
@@ -55,12 +55,23 @@ def test_pretraining_pool_is_looser_and_holds_the_finetuning_pairs(tmp_path, mon
         write_jsonl(out, rows)
         return {"sources": {}}
 
+    import moembed.recipes.curation as curation
+
+    reads = []
+
+    def counting_iter_jsonl(path, *a, **kw):
+        reads.append(Path(path).name)
+        return iter_jsonl(path, *a, **kw)
+
     monkeypatch.setattr(moembed.data.curate, "curate", fake_curate)
+    monkeypatch.setattr(curation, "iter_jsonl", counting_iter_jsonl)
     cfg = load_quickstart_config(None, "multilingual").model_copy(deep=True)
     cfg.pretrain.batch_size, cfg.train.batch_size, cfg.filter_top_k = 8, 4, 2
+    assert cfg.curation_top_k == 10 and load_quickstart_config(None).curation_top_k == 2
     qs = SimpleNamespace(cfg=cfg, out=tmp_path, teacher="T", progress=False)
     result = curate(qs)
-    assert seen["top_k"] == 10  # one pass at the looser filter
+    assert seen["top_k"] == 10  # one teacher pass at the looser filter
+    assert reads == ["curated.jsonl"]  # both pools cut in one pass over the curated pairs
 
     def rows(pool, source):
         return [json.loads(x) for x in (tmp_path / pool / f"{source}.jsonl").read_text().splitlines()]

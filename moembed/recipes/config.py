@@ -188,6 +188,14 @@ class QuickstartConfig(_Strict):
     def user_data(self) -> bool:
         return bool(self.data.files)
 
+    @property
+    def curation_top_k(self) -> int | None:
+        """The k curation filters at: the pretraining pool's (looser) k when there is one, else filter_top_k
+        (None: no consistency filtering). Finetuning takes the rows ranked below filter_top_k from that pass."""
+        if self.pretrain is not None and self.pretrain.filter_top_k is not None:
+            return self.pretrain.filter_top_k
+        return self.filter_top_k
+
     def split_sizes(self) -> dict:
         """max_pairs, eval_queries, eval_docs of the data split (per built-in dataset, or the user's whole data)."""
         size = dict(SIZES[self.size])

@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moembed.errors import MoembedError
@@ -131,14 +134,14 @@ def curate(qs) -> dict:
     c = qs.cfg
     mode = c.data.negatives if c.user_data else "mined"
     mine = mode != "given"
-    pool_top_k = c.pretrain.filter_top_k if c.pretrain and c.pretrain.filter_top_k else c.filter_top_k
+    top_k = c.curation_top_k
     data, curated = qs.out / "data" / "train.jsonl", qs.out / "data" / "curated.jsonl"
     report = None
-    if pool_top_k is None and not mine:
+    if top_k is None and not mine:
         shutil.copy2(data, curated)
     else:
         cfg = CurateConfig(
-            shard_size=1_000_000, top_k=pool_top_k, batch_size=64,
+            shard_size=1_000_000, top_k=top_k, batch_size=64,
             max_length=max(c.train.max_query_length, c.train.max_doc_length),  # judged as trained
             mining=MiningConfig(num_negatives=c.num_negatives, margin=c.margin) if mine else None,
         )
@@ -147,61 +150,76 @@ def curate(qs) -> dict:
     need_negatives = c.train.hard_negatives > 0
 
     def finetune_row(row: dict) -> dict | None:
-        if pool_top_k != c.filter_top_k and row["positive_rank"] >= c.filter_top_k:
+        if top_k != c.filter_top_k and row["positive_rank"] >= c.filter_top_k:
             return None  # in the pretraining pool only
-        row["negatives"] = _negatives(row, mode, c.num_negatives)
+        row = {**row, "negatives": _negatives(row, mode, c.num_negatives)}
         # no negative to draw: not trained on (as the training reader would skip it)
         return row if row["negatives"] or not need_negatives else None
 
-    kept, dropped, negatives = _pool_files(curated, qs.out / "train", c.train.batch_size, finetune_row)
-    if dropped:
-        log.info("sources with fewer pairs than a batch, not finetuned on: %s", dropped)
-    if not kept:
+    def pretrain_row(row: dict) -> dict:
+        # Pretraining draws in-batch negatives only: every curated pair, no mined negative needed or kept.
+        return {k: v for k, v in row.items() if k not in ("negatives", "negative_scores", "given_negatives")}
+
+    pools = {"train": _Pool(qs.out / "train", c.train.batch_size, finetune_row)}
+    if c.pretrain is not None:
+        pools["pretrain"] = _Pool(qs.out / "pretrain", c.pretrain.batch_size, pretrain_row)
+    _write_pools(curated, pools)
+    fine = pools["train"]
+    if fine.dropped:
+        log.info("sources with fewer pairs than a batch, not finetuned on: %s", fine.dropped)
+    if not fine.kept:
         raise MoembedError("quickstart: no source has a full batch of curated pairs; give more data (or a larger "
                            "--size, a smaller --batch-size)")
-    out = {"filter": report, "filter_top_k": pool_top_k, "train_sources": kept, "too_small": dropped,
-           "negatives_mode": mode, "negatives_per_query": negatives}
+    out = {"filter": report, "filter_top_k": top_k, "train_sources": fine.kept, "too_small": fine.dropped,
+           "negatives_mode": mode, "negatives_per_query": fine.negatives_per_pair}
     if c.pretrain is not None:
-        # Pretraining draws in-batch negatives only: every curated pair, no mined negative needed or kept.
-        def pretrain_row(row: dict) -> dict:
-            for key in ("negatives", "negative_scores", "given_negatives"):
-                row.pop(key, None)
-            return row
-
-        pre_kept, pre_dropped, _ = _pool_files(curated, qs.out / "pretrain", c.pretrain.batch_size, pretrain_row)
-        if not pre_kept:
+        pre = pools["pretrain"]
+        if not pre.kept:
             raise MoembedError("quickstart: no source has a full pretraining batch of curated pairs; give more data "
                                "(or a larger --size, a smaller pretrain.batch_size)")
-        out.update(pretrain_sources=pre_kept, pretrain_too_small=pre_dropped)
+        out.update(pretrain_sources=pre.kept, pretrain_too_small=pre.dropped)
     return out
 
 
-def _pool_files(curated: Path, out_dir: Path, batch_size: int, select) -> tuple[dict, dict, float]:
-    """Stream the curated pairs that `select(row)` returns (None: left out) into out_dir/<source>.jsonl, one file
-    per source so that every batch comes from one source; sources below one batch are removed.
+@dataclass
+class _Pool:
+    """One training pool cut from the curated pairs: the rows `select(row)` returns (None: left out), written to
+    out_dir/<source>.jsonl, one file per source so that every batch comes from one source."""
 
-    Returns kept {source: pairs}, dropped {source: pairs} and the mean number of negatives per kept pair."""
-    counts: dict[str, int] = {}
-    handles = {}
-    n_neg = 0
-    with atomic_dir(out_dir) as tmp:
+    out_dir: Path
+    batch_size: int
+    select: Callable[[dict], dict | None]
+    kept: dict = field(default_factory=dict)  # {source: pairs} with at least one batch
+    dropped: dict = field(default_factory=dict)  # {source: pairs} below one batch, removed
+    negatives_per_pair: float = 0.0
+
+
+def _write_pools(curated: Path, pools: dict[str, _Pool]) -> None:
+    """Stream OUT/data/curated.jsonl once into every pool's files (each written whole or not at all)."""
+    counts = {name: {} for name in pools}
+    n_neg = dict.fromkeys(pools, 0)
+    with ExitStack() as stack:
+        tmps = {name: stack.enter_context(atomic_dir(p.out_dir)) for name, p in pools.items()}
+        handles = {name: {} for name in pools}
         try:
             for _, row in iter_jsonl(curated):
-                row = select(row)
-                if row is None:
-                    continue
-                s = str(row["source"])
-                if s not in handles:
-                    handles[s] = open(tmp / f"{s}.jsonl", "w", encoding="utf-8")
-                handles[s].write(json.dumps(row, ensure_ascii=False) + "\n")
-                counts[s] = counts.get(s, 0) + 1
-                n_neg += len(row.get("negatives") or [])
+                for name, pool in pools.items():
+                    picked = pool.select(row)
+                    if picked is None:
+                        continue
+                    s = str(picked["source"])
+                    if s not in handles[name]:
+                        handles[name][s] = open(tmps[name] / f"{s}.jsonl", "w", encoding="utf-8")
+                    handles[name][s].write(json.dumps(picked, ensure_ascii=False) + "\n")
+                    counts[name][s] = counts[name].get(s, 0) + 1
+                    n_neg[name] += len(picked.get("negatives") or [])
         finally:
-            for fh in handles.values():
+            for fh in (fh for per_pool in handles.values() for fh in per_pool.values()):
                 fh.close()
-        dropped = {s: n for s, n in counts.items() if n < batch_size}
-        for s in dropped:
-            (tmp / f"{s}.jsonl").unlink()
-    kept = {s: n for s, n in sorted(counts.items()) if s not in dropped}
-    total = sum(counts.values())
-    return kept, dict(sorted(dropped.items())), round(n_neg / total, 2) if total else 0.0
+        for name, pool in pools.items():
+            pool.dropped = {s: n for s, n in sorted(counts[name].items()) if n < pool.batch_size}
+            for s in pool.dropped:
+                (tmps[name] / f"{s}.jsonl").unlink()
+            pool.kept = {s: n for s, n in sorted(counts[name].items()) if s not in pool.dropped}
+            total = sum(counts[name].values())
+            pool.negatives_per_pair = round(n_neg[name] / total, 2) if total else 0.0

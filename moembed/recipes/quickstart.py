@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from moembed.fileio import atomic_path
+from moembed.heap import release_free_heap
 from moembed.recipes import curation, evaluation, training
 from moembed.recipes.config import SIZES, QuickstartConfig, load_quickstart_config  # noqa: F401 (public names)
 from moembed.recipes.training import minilm_path  # noqa: F401
@@ -63,6 +64,7 @@ class Quickstart:
         log.info("[%d/%d] %s ...", n, total, name)
         t = time.perf_counter()
         result = fn() or {}
+        release_free_heap()  # what this stage freed (the teacher's embeddings, a model) is not the next one's
         result["seconds"] = round(time.perf_counter() - t, 1)
         with atomic_path(marker) as tmp:
             tmp.write_text(json.dumps(result, indent=2) + "\n")

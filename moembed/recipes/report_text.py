@@ -134,7 +134,7 @@ def settings(qs) -> str:
     def kept(k: int | None) -> str:
         return f"the pairs kept by consistency filtering top-{k}" if k else "every pair (no consistency filtering)"
 
-    pre_k = (pre.filter_top_k or c.filter_top_k) if pre else None
+    pre_k = c.curation_top_k if pre else None
     stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
               f"{pre.batch_size}, on {kept(pre_k)}{' (the larger, noisier pool)' if pre_k != c.filter_top_k else ''}"
               f", in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with {pre.warmup_steps} "

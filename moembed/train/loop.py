@@ -31,7 +31,7 @@ from moembed.data.sources import SourceStats
 from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
-from moembed.heap import bound_heap_growth
+from moembed.heap import bounded_heap
 from moembed.train.build import build_model, check_paths
 from moembed.train.checkpoint import CheckpointManager, rng_state
 from moembed.train.config import TrainConfig
@@ -222,8 +222,13 @@ def train(cfg: TrainConfig, progress: bool = True, resume: bool = True) -> Path:
 
     Under torchrun: joins the process group (nccl on CUDA, gloo otherwise) and starts every rank from rank 0's
     weights."""
+    # Variable-length batches would otherwise grow the heap step after step; only while training (moembed.heap).
+    with bounded_heap():
+        return _train(cfg, progress, resume)
+
+
+def _train(cfg: TrainConfig, progress: bool, resume: bool) -> Path:
     dist.init_from_env("nccl" if train_device(cfg.device).type == "cuda" else "gloo")
-    bound_heap_growth()  # variable-length batches would otherwise grow the heap step after step (moembed.heap)
     t = Trainer(cfg, progress)
     dist.broadcast_parameters(t.module)
     if not resume and t.ckpt.latest() is not None:
