@@ -5,7 +5,8 @@
 Runs `moembed quickstart` in this process with the default recipe (or `--config FILE`), wrapping each stage to
 record its wall time, the process's user + system CPU time, and the peak resident set size reached *during* the
 stage (a sampling thread reads /proc/self/statm every 50 ms, since ru_maxrss only ever grows). The run starts
-from an empty `--out` so no stage is skipped. Prints one JSON object and, with `--json`, writes it.
+from an empty `--out` so no stage is skipped, with the allocator settings of the `moembed` command
+(moembed.heap). Prints one JSON object and, with `--json`, writes it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import threading
 import time
 from pathlib import Path
+
+from moembed.heap import configure_process
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--preset", default=None, help="english (default) | multilingual")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    configure_process()  # the allocator settings `moembed quickstart` runs with, before torch loads
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
 
     if args.out.exists():

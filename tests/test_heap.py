@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moembed.heap import _glibc
+from moembed.heap import PRIMITIVE_CACHE, _glibc
 
 # Allocate and free a 4 MiB block, then allocate another: report whether the second was mmapped (mallinfo2's
 # count of mmapped blocks goes up while it is held). glibc's default raises its threshold to 4 MiB on the first
@@ -93,3 +93,31 @@ def test_leaving_the_block_restores_heap_reuse():
 def test_free_heap_pages_are_returned():
     out = probe("trim", code=TRIM)
     assert out["released"] and out["freed_mib"] > 48
+
+
+# The `moembed` command caps oneDNN's primitive cache and turns on PyTorch's huge pages before torch loads (both
+# are read once); a user's own settings are kept.
+CLI_ENV = r"""
+import json, os, sys
+from moembed.cli.main import main
+loaded_early = "torch" in sys.modules
+sys.argv = ["moembed", "models", "--help"]
+try:
+    main()
+except SystemExit:
+    pass
+print(json.dumps({"torch_before_main": loaded_early, "cap": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
+                  "thp": os.environ.get("THP_MEM_ALLOC_ENABLE")}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("user", [{}, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512", "THP_MEM_ALLOC_ENABLE": "0"}])
+def test_the_command_sets_the_allocator_before_torch_loads(user):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "THP_MEM_ALLOC_ENABLE")}
+    out = subprocess.run([sys.executable, "-c", CLI_ENV], capture_output=True, text=True, check=True, env={**env, **user})
+    got = json.loads(out.stderr.strip().splitlines()[-1])
+    assert got["torch_before_main"] is False  # else neither setting could take effect
+    assert got["cap"] == user.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
+    assert got["thp"] == user.get("THP_MEM_ALLOC_ENABLE", "1")

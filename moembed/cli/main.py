@@ -10,6 +10,7 @@ import sys
 import typer
 
 from moembed.errors import MoembedError
+from moembed.heap import configure_process
 
 # One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
 COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
@@ -28,6 +29,7 @@ for _name in COMMANDS:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    configure_process()  # before torch loads: PyTorch and oneDNN read these once (moembed.heap)
     logging.basicConfig(level=logging.INFO, format="moembed: %(message)s", stream=sys.stderr)
     try:
         app()
