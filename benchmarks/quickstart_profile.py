@@ -1,6 +1,6 @@
 """Where the quickstart's time and memory go: CPU seconds, wall seconds and peak RSS per stage.
 
-    OMP_NUM_THREADS=2 python benchmarks/quickstart_profile.py --out /tmp/qs-profile [--json profile.json]
+    OMP_NUM_THREADS=2 python benchmarks/quickstart_profile.py --out /tmp/qs-profile [--json profile.json] [--device cuda]
 
 Runs `moembed quickstart` in this process with the default recipe (or `--config FILE`), wrapping each stage to
 record its wall time, the process's user + system CPU time, and the peak resident set size reached *during* the
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--preset", default=None, help="english (default) | multilingual")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--device", default=None, help="auto | cpu | cuda | mps (default: the recipe's, auto)")
     args = ap.parse_args()
     configure_process()  # the allocator settings `moembed quickstart` runs with, before torch loads
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
@@ -79,7 +80,7 @@ def main() -> None:
         return result
 
     Quickstart._stage = profiled
-    cfg = load_quickstart_config(args.config, args.preset, steps=args.steps)
+    cfg = load_quickstart_config(args.config, args.preset, steps=args.steps, device=args.device)
     t0, c0 = time.perf_counter(), os.times()
     Quickstart(cfg, args.out, progress=False).run()
     c1 = os.times()

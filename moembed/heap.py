@@ -28,9 +28,8 @@ memory. PyTorch reads it at its first allocation, so the command sets it before 
     bounded_heap()        a block that runs with the threshold fixed, then restores the ceiling and trims
     bound_heap_growth()   fix the threshold (no-op off glibc, or when MALLOC_MMAP_THRESHOLD_ is set by the user)
     release_free_heap()   return the heap's free pages to the system (malloc_trim): between a recipe's stages
-    cap_primitive_cache() ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE unless the user set it
-    use_huge_pages()      THP_MEM_ALLOC_ENABLE = 1 unless the user set it
-    configure_process()   both, as the `moembed` command does on start
+    process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux)
+    configure_process()   set those the user has not, as the `moembed` command does on start
 """
 
 from __future__ import annotations
@@ -91,25 +90,19 @@ def bounded_heap(threshold: int = THRESHOLD) -> Iterator[bool]:
         release_free_heap()
 
 
-def cap_primitive_cache(capacity: int = PRIMITIVE_CACHE) -> bool:
-    """Cap oneDNN's primitive cache for this process and its children (effective only before oneDNN's first
-    primitive); the user's own ONEDNN_PRIMITIVE_CACHE_CAPACITY is left alone. Returns whether it was set."""
-    if "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in os.environ:
-        return False
-    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
-    return True
+def process_settings() -> dict[str, str]:
+    """The environment a process that moembed owns runs with: oneDNN's primitive cache capped, and (on Linux, where
+    the kernel has transparent huge pages) PyTorch's large buffers on huge pages."""
+    settings = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(PRIMITIVE_CACHE)}
+    if sys.platform.startswith("linux"):
+        settings["THP_MEM_ALLOC_ENABLE"] = "1"
+    return settings
 
 
-def use_huge_pages() -> bool:
-    """Let PyTorch back its large CPU buffers with transparent huge pages (effective only before torch allocates
-    anything, i.e. before `import torch`); the user's own THP_MEM_ALLOC_ENABLE is left alone."""
-    if "THP_MEM_ALLOC_ENABLE" in os.environ or not sys.platform.startswith("linux"):
-        return False
-    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
-    return True
-
-
-def configure_process() -> None:
-    """The allocator settings of a process that moembed owns (the command, its benchmarks), set before torch loads."""
-    cap_primitive_cache()
-    use_huge_pages()
+def configure_process() -> dict[str, str]:
+    """Set `process_settings()` in this process's environment (and its children's), keeping any the user set;
+    returns the ones it set. Effective only before torch loads: PyTorch reads THP_MEM_ALLOC_ENABLE at its first
+    allocation and oneDNN its cache capacity at its first primitive."""
+    made = {k: v for k, v in process_settings().items() if k not in os.environ}
+    os.environ.update(made)
+    return made

@@ -1,6 +1,7 @@
 """moembed.heap: with the mmap threshold fixed, a large block freed does not send the next one of its size to the heap;
 leaving `bounded_heap` restores heap reuse; `release_free_heap` returns freed heap pages to the system."""
 
+import os
 import json
 import subprocess
 import sys
@@ -113,11 +114,22 @@ print(json.dumps({"torch_before_main": loaded_early, "cap": os.environ.get("ONED
 
 @pytest.mark.parametrize("user", [{}, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512", "THP_MEM_ALLOC_ENABLE": "0"}])
 def test_the_command_sets_the_allocator_before_torch_loads(user):
-    import os
-
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "THP_MEM_ALLOC_ENABLE")}
     out = subprocess.run([sys.executable, "-c", CLI_ENV], capture_output=True, text=True, check=True, env={**env, **user})
     got = json.loads(out.stderr.strip().splitlines()[-1])
     assert got["torch_before_main"] is False  # else neither setting could take effect
     assert got["cap"] == user.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
     assert got["thp"] == user.get("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def test_configure_process_sets_only_what_the_user_has_not(monkeypatch):
+    from moembed.heap import configure_process, process_settings
+
+    for key in process_settings():
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    made = configure_process()
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in made and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
+    assert made == {k: v for k, v in process_settings().items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    assert all(os.environ[k] == v for k, v in made.items())
+    assert configure_process() == {}  # a second call finds everything set

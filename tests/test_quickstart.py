@@ -83,6 +83,22 @@ def test_quickstart_config_errors_name_the_key(tmp_path):
     with pytest.raises(MoembedError, match="size"):
         load_quickstart_config(None, size="huge")
     assert load_quickstart_config(None, steps=5).train.steps == 5
+    with pytest.raises(MoembedError, match="device"):
+        load_quickstart_config(None, device="tpu")
+    (tmp_path / "gpu.yaml").write_text("device: cpu\n")
+    assert load_quickstart_config(tmp_path / "gpu.yaml").device == "cpu"
+
+
+def test_an_absent_device_is_refused_before_any_work(tmp_path, monkeypatch):
+    import torch
+
+    from moembed.errors import MoembedError
+    from moembed.recipes.quickstart import Quickstart, load_quickstart_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MoembedError, match="'cuda' asked for, but CUDA is not available"):
+        Quickstart(load_quickstart_config(None, device="cuda"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
     assert load_quickstart_config(None).datasets[0] == "news"
 
 

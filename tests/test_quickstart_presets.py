@@ -196,3 +196,43 @@ def test_a_run_curated_before_the_pools_is_refused_with_the_file_to_remove(tmp_p
     with pytest.raises(MoembedError, match=r"curate.json: no pretrain pool .* remove that file"):
         train_config(qs, "moe", "pretrain")
     assert train_config(qs, "moe", "finetune").data[0].path.endswith("train/a.jsonl")
+
+
+def test_the_recipe_device_reaches_every_stage(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from moembed.model.embedder import Embedder
+    from moembed.recipes import curation, evaluation
+    from moembed.recipes.training import train_config
+
+    class Reached(Exception):
+        pass
+
+    def capture(what):
+        def fn(*args, **kwargs):
+            raise Reached(what(*args, **kwargs))
+        return fn
+
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
+    cfg = load_quickstart_config(None, device="cpu")
+    qs = SimpleNamespace(cfg=cfg, out=tmp_path, matryoshka_dims=[384, 128], teacher=tmp_path / "teacher",
+                         progress=False,
+                         stage_result=lambda name: json.loads((tmp_path / "stages" / f"{name}.json").read_text()))
+    train = train_config(qs, "moe")
+    assert train.device == "cpu" and train.bf16 is False  # bf16 "auto" resolved on the recipe's device
+    # The teacher of curation and every evaluated model are loaded on the recipe's device ("auto" is the default
+    # of neither: both would load on the CPU without it).
+    qs.cfg = load_quickstart_config(None)
+    monkeypatch.setattr("moembed.data.curate.curate", capture(lambda data, out, teacher, c, **kw: c.device))
+    with pytest.raises(Reached, match="^auto$"):
+        curation.curate(qs)
+    monkeypatch.setattr(curation, "held_out_dirs", lambda qs: {})
+    monkeypatch.setattr(evaluation, "model_paths", lambda qs: {"base": tmp_path / "base"})
+    monkeypatch.setattr(Embedder, "load", capture(lambda path, **kw: kw.get("device")))
+    with pytest.raises(Reached, match="^auto$"):
+        evaluation.evaluate(qs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load_quickstart_config(None).torch_device() == torch.device("cpu")  # auto, with no GPU

@@ -24,6 +24,8 @@ def quickstart(
     batch_size: int = typer.Option(None, "--batch-size", help="global training batch (default 32)"),
     max_pairs: int = typer.Option(None, "--max-pairs", help="training pairs kept (your data: in all; built-in: per dataset)"),
     nproc: int = typer.Option(None, "--nproc", help="training processes per model, launched with torchrun (default 1)"),
+    device: str = typer.Option(None, "--device", help="auto | cpu | cuda | mps: where the teacher, training and "
+                               "evaluation run (default auto: the GPU when there is one)"),
     size: str = typer.Option(None, "--size", help="tiny | small | medium | large: pairs per dataset, eval sizes"),
     config: Path = typer.Option(None, "--config", help="a YAML file over configs/quickstart.yaml's defaults"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
@@ -35,7 +37,8 @@ def quickstart(
     from moembed.recipes.report import print_headline
 
     cfg = load_quickstart_config(config, preset, steps=steps, size=size, data=data, fields=fields, base=base,
-                                 teacher=teacher, batch_size=batch_size, max_pairs=max_pairs, nproc=nproc)
+                                 teacher=teacher, batch_size=batch_size, max_pairs=max_pairs, nproc=nproc,
+                                 device=device)
     results = Quickstart(cfg, out, progress=not quiet).run()
     report = results["report"]
     if "table" not in report:  # finished in an earlier run: read the stored report

@@ -158,6 +158,7 @@ class QuickstartConfig(_Strict):
     top_k: int = Field(2, ge=1)
     every: int = Field(2, ge=1)
     nproc: int = Field(1, ge=1)  # training processes (torchrun) per model
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # teacher, training, evaluation; auto: the GPU if any
     data_suite: str | None = None  # a DATA_SUITES name: its sources and test sets replace `datasets`
     sampler_alpha: float | None = Field(None, gt=0, le=1)  # p(source) ∝ n^α (None: proportional to size, α = 1)
     pretrain: PretrainStage | None = None  # None: finetuning only (one stage)
@@ -183,6 +184,12 @@ class QuickstartConfig(_Strict):
         if self.data.negatives == "given" and self.filter_top_k is None and not self.data.files:
             raise ValueError("data.negatives: 'given' needs data.files")
         return self
+
+    def torch_device(self):
+        """The torch.device the recipe runs on ("auto" resolved here); a MoembedError when it is not available."""
+        from moembed.devices import resolve_device
+
+        return resolve_device(self.device)
 
     @property
     def user_data(self) -> bool:
@@ -229,7 +236,8 @@ def _merge(base: dict, over: dict) -> dict:
 def load_quickstart_config(path: str | Path | None, preset: str | None = None, *, steps: int | None = None,
                            size: str | None = None, data: list[str] | None = None, fields: str | None = None,
                            base: str | None = None, teacher: str | None = None, batch_size: int | None = None,
-                           max_pairs: int | None = None, nproc: int | None = None) -> QuickstartConfig:
+                           max_pairs: int | None = None, nproc: int | None = None,
+                           device: str | None = None) -> QuickstartConfig:
     """The recipe's config: defaults ← preset ← YAML file at `path` ← the given options (None: not given)."""
     doc = read_yaml(path) if path is not None else {}
     if not isinstance(doc, dict):
@@ -239,7 +247,7 @@ def load_quickstart_config(path: str | Path | None, preset: str | None = None, *
         raise MoembedError(f"--preset: unknown preset {name!r}; choose one of {', '.join(RECIPE_PRESETS)}")
     options: dict[str, Any] = {"preset": name}
     for key, value in (("size", size), ("max_pairs", max_pairs), ("base", base), ("teacher", teacher),
-                       ("nproc", nproc)):
+                       ("nproc", nproc), ("device", device)):
         if value is not None:
             options[key] = value
     train = {k: v for k, v in (("steps", steps), ("batch_size", batch_size)) if v is not None}

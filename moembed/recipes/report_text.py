@@ -124,10 +124,8 @@ def _decision_lines(d: dict) -> str:
 
 
 def settings(qs) -> str:
-    import torch
-
     c, t = qs.cfg, qs.cfg.train
-    bf16 = "on" if t.bf16_on("cuda" if torch.cuda.is_available() else "cpu") else "off"
+    bf16 = "on" if t.bf16_on(c.torch_device().type) else "off"
     teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
     pre = c.pretrain
 

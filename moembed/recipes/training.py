@@ -97,8 +97,6 @@ def run_name(kind: str, stage: str) -> str:
 
 
 def train_config(qs, kind: str, stage: str = "finetune"):
-    import torch
-
     from moembed.train.config import load_config
 
     c, out = qs.cfg, qs.out
@@ -131,7 +129,7 @@ def train_config(qs, kind: str, stage: str = "finetune"):
         },
         "optim": {"lr": t.lr, "schedule": "linear", "warmup_steps": t.warmup_steps},
         "steps": t.steps, "seed": c.seed, "log_every": 1,
-        "bf16": c.train.bf16_on("cuda" if torch.cuda.is_available() else "cpu"),
+        "device": c.device, "bf16": c.train.bf16_on(c.torch_device().type),
         "checkpoint": {"every": c.train.checkpoint_every, "keep_last": 1},
         "output_dir": str(out / "runs" / run_name(kind, stage)),
     }
