@@ -142,3 +142,11 @@ def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float
     step()
     fresh = blk.experts.__dict__["_weight_cache"]["cast"][1][0]
     assert torch.equal(fresh, blk.experts.fc1_weight.detach().to(torch.bfloat16))
+
+
+def test_the_capability_probe_draws_no_random_numbers(fresh_dispatch_state):
+    # It runs at the first MoE pass of a process: a draw there would shift the dropout masks of a training run,
+    # so that a resumed run (a new process, the generator restored) would not repeat the uninterrupted one.
+    state = torch.get_rng_state()
+    assert grouped_support(torch.device("cpu"), torch.float32).usable
+    assert torch.equal(torch.get_rng_state(), state)

@@ -14,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moembed.model.config import EncoderConfig
+from moembed.model.activations import swiglu
 from moembed.model.linear import Linear
+from moembed.model.recompute import then_recomputed
 from moembed.model.rope import apply_rope, batch_cos_sin, rope_cos_sin
 
 
@@ -37,17 +39,21 @@ class EncoderOutput:
 class GeluMLP(nn.Module):
     """BERT's MLP: d → i → d with exact GELU."""
 
+    recompute_act = False  # keep fc1's output, not GELU's, for backward (moembed.model.recompute)
+
     def __init__(self, d: int, i: int, bias: bool = True):
         super().__init__()
         self.fc1 = Linear(d, i, bias=bias)
         self.fc2 = Linear(i, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return then_recomputed(F.gelu, self.fc1(x), self.fc2, self.recompute_act)
 
 
 class SwiGLUMLP(nn.Module):
     """SwiGLU MLP (Shazeer 2020), as nomic-bert: fc2(up(x) * silu(gate(x))); up and gate in one matmul."""
+
+    recompute_act = False  # keep fc1's output, not the product, for backward (moembed.model.recompute)
 
     def __init__(self, d: int, i: int, bias: bool = False):
         super().__init__()
@@ -55,8 +61,7 @@ class SwiGLUMLP(nn.Module):
         self.fc2 = Linear(i, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up, gate = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(up * F.silu(gate))
+        return then_recomputed(swiglu, self.fc1(x), self.fc2, self.recompute_act)
 
 
 def build_mlp(config: EncoderConfig, layer_idx: int) -> nn.Module:

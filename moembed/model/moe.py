@@ -33,8 +33,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moembed.model.activations import MLP_ACTIVATIONS
 from moembed.model.config import EncoderConfig
 from moembed.model.linear import cached, fastpath_enabled, inference_pass, int8_linear, int8_weights
+from moembed.model.recompute import then_recomputed
 
 Dispatch = Literal["auto", "grouped", "loop", "naive"]
 DISPATCH_MODES = ("auto", "grouped", "loop", "naive")
@@ -71,13 +73,14 @@ def _grouped_support(device_type: str, index: int | None, dtype: torch.dtype) ->
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     # A tiny forward and backward: older releases raise on some devices and dtypes. Outside inference mode and
     # autocast whatever the caller's context, or the first call (often under an encode's inference_mode) would
-    # cache "unusable" for the whole process.
+    # cache "unusable" for the whole process. No random numbers: the probe runs at the first MoE pass, and drawing
+    # from the global generator there would shift a training run's dropout masks (and break an exact resume).
     try:
         with torch.inference_mode(False), torch.autocast(device_type, enabled=False), torch.enable_grad():
-            a = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
-            b = torch.randn(2, 16, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+            a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 16, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
             y = torch._grouped_mm(a, b, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
-            torch.autograd.grad((y * torch.randn_like(y)).sum(), (a, b))
+            torch.autograd.grad(y, (a, b), torch.ones_like(y))  # a dense gradient: an expanded one is refused
     except Exception as e:  # noqa: BLE001 - any failure means "use the loop", never an error for the user
         return GroupedSupport(False, False, f"torch._grouped_mm failed on {where}: {str(e).splitlines()[0]}")
     if device_type == "cuda":
@@ -154,6 +157,7 @@ class Experts(nn.Module):
     """
 
     int8 = False  # set by `moembed.model.linear.quantize_int8`
+    recompute_act = False  # keep fc1's output, not the activation's, for backward (moembed.model.recompute)
 
     def __init__(self, num_experts: int, d: int, i: int, kind: str, bias: bool):
         super().__init__()
@@ -167,16 +171,14 @@ class Experts(nn.Module):
         nn.init.normal_(self.fc2_weight, std=0.02)
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
-        if self.kind == "swiglu":
-            up, gate = h.chunk(2, dim=-1)
-            return up * F.silu(gate)
-        return F.gelu(h)
+        return MLP_ACTIVATIONS[self.kind](h)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on tokens x (n, d) → (n, d)."""
         b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
         b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
-        return F.linear(self.act(F.linear(x, self.fc1_weight[e], b1)), self.fc2_weight[e], b2)
+        h = F.linear(x, self.fc1_weight[e], b1)
+        return then_recomputed(self.act, h, lambda a: F.linear(a, self.fc2_weight[e], b2), self.recompute_act)
 
     def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, d) sorted by expert with counts (E,) → (M, d): a loop over experts on contiguous slices."""
@@ -275,7 +277,8 @@ class Experts(nn.Module):
         h = torch._grouped_mm(xc, w1, offs=offs)  # (M, r)
         if b1 is not None:
             h = _SegmentBias.apply(h, b1, sizes)
-        y = torch._grouped_mm(self.act(h).contiguous(), w2, offs=offs)  # (M, d)
+        y = then_recomputed(self.act, h, lambda a: torch._grouped_mm(a.contiguous(), w2, offs=offs),  # (M, d)
+                            self.recompute_act)
         if b2 is not None:
             y = _SegmentBias.apply(y, b2, sizes)
         return y

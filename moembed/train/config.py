@@ -72,6 +72,9 @@ class TrainConfig(_Strict):
     sampler: SamplerConfig = SamplerConfig()
     batch_size: int = Field(32, ge=1)
     chunk_size: int | None = Field(None, ge=1)  # GradCache chunk (Gao et al. 2021); null: plain step
+    # Keep each MLP's (and expert's) fc1 output for backward, not its activation's, and recompute the activation
+    # there: one (tokens, intermediate) tensor less per MLP for one elementwise pass (moembed.model.recompute).
+    recompute_activations: bool = True
     max_query_length: int = Field(64, ge=2)
     max_doc_length: int = Field(256, ge=2)
     loss: LossConfig = LossConfig()

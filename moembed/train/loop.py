@@ -32,6 +32,7 @@ from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
 from moembed.heap import bounded_heap
+from moembed.model.recompute import set_recompute
 from moembed.train.build import build_model, check_paths
 from moembed.train.checkpoint import CheckpointManager, rng_state
 from moembed.train.config import TrainConfig
@@ -96,6 +97,7 @@ class Trainer:
         self.stats = SourceStats()
         self.stage = STAGES[cfg.stage](cfg)
         self.module = self.stage.build_module(build_model(cfg))
+        set_recompute(self.module, cfg.recompute_activations)
         self.embedder = self.stage.embedder(self.module)
         self.stream = self.stage.build_stream(self.embedder.tokenizer, self.stats, self.rank, self.world)
         self.module.to(self.device).train()
