@@ -5,11 +5,11 @@ backward, and a = act(h), for fc2's weight gradient. They are the largest activa
 (intermediate = 4 × hidden; a top-2 MoE layer keeps both for every token twice). `then_recomputed` lets fc2 keep
 h instead of a and recomputes a = act(h) when backward reaches fc2: one elementwise pass more, one (N, i) tensor
 less per MLP. On the quickstart's MoE finetuning (all-MiniLM-L6-v2 upcycled, 8 experts top-2 on 3 of 6 layers,
-~7,000 tokens in its largest steps) the peak of those steps fell from 2.62 to 2.31 GiB, with CPU time unchanged
-within noise: on a CPU the pass costs about what faulting in the tensor it replaces did (BENCHMARKS.md,
-"Quickstart: where the time and memory go"). The recomputed a is bitwise the a of the forward pass (the same op on the same h), so gradients are
-unchanged; Megatron-LM calls the idea selective recomputation (Korthikanti et al. 2022, which recompute the
-attention core for the same reason).
+~7,000 tokens in its largest steps) the peak of those steps fell from 2.62 to 2.31 GiB, and one such step run
+both ways in one process took 0.98-1.03x the CPU time: on a CPU the pass costs about what faulting in the tensor
+it replaces did (BENCHMARKS.md, "Recomputed MLP activations"). The recomputed a is bitwise the a of the forward
+pass (the same op on the same h), so gradients are unchanged; Megatron-LM calls the idea selective recomputation
+(Korthikanti et al. 2022, which recompute the attention core for the same reason).
 
 The mechanism is autograd's saved-tensor hooks: within fc2, a saved tensor that is `a` itself (same storage,
 offset, shape and strides) is packed as a recipe (h, act) instead. Anything else fc2 saves (its weight, a view
@@ -45,7 +45,7 @@ class _Recipe:
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             a = self.act(self.h)
         if (tuple(a.shape), a.stride(), a.dtype) != self.want:  # act is not what the forward pass ran
-            raise RuntimeError(f"recomputed activation {tuple(a.shape)} {a.dtype} differs from the saved one {self.want}")
+            raise RuntimeError(f"recomputed activation {tuple(a.shape)} {a.dtype} differs from the saved {self.want}")
         return a
 
 
