@@ -191,7 +191,8 @@ def test_a_run_curated_before_the_pools_is_refused_with_the_file_to_remove(tmp_p
 
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
-    qs = SimpleNamespace(cfg=load_quickstart_config(None, "multilingual"), out=tmp_path, matryoshka_dims=[384, 128],
+    cfg = load_quickstart_config(None, "multilingual")
+    qs = SimpleNamespace(cfg=cfg, out=tmp_path, matryoshka_dims=[384, 128], device=cfg.torch_device(),
                          stage_result=lambda name: json.loads((tmp_path / "stages" / f"{name}.json").read_text()))
     with pytest.raises(MoembedError, match=r"curate.json: no pretrain pool .* remove that file"):
         train_config(qs, "moe", "pretrain")
@@ -219,7 +220,7 @@ def test_the_recipe_device_reaches_every_stage(tmp_path, monkeypatch):
     (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
     cfg = load_quickstart_config(None, device="cpu")
     qs = SimpleNamespace(cfg=cfg, out=tmp_path, matryoshka_dims=[384, 128], teacher=tmp_path / "teacher",
-                         progress=False,
+                         progress=False, device=cfg.torch_device(),
                          stage_result=lambda name: json.loads((tmp_path / "stages" / f"{name}.json").read_text()))
     train = train_config(qs, "moe")
     assert train.device == "cpu" and train.bf16 is False  # bf16 "auto" resolved on the recipe's device

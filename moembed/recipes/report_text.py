@@ -125,7 +125,7 @@ def _decision_lines(d: dict) -> str:
 
 def settings(qs) -> str:
     c, t = qs.cfg, qs.cfg.train
-    bf16 = "on" if t.bf16_on(c.torch_device().type) else "off"
+    bf16 = "on" if t.bf16_on(qs.device.type) else "off"
     teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
     pre = c.pretrain
 

@@ -129,7 +129,7 @@ def train_config(qs, kind: str, stage: str = "finetune"):
         },
         "optim": {"lr": t.lr, "schedule": "linear", "warmup_steps": t.warmup_steps},
         "steps": t.steps, "seed": c.seed, "log_every": 1,
-        "device": c.device, "bf16": c.train.bf16_on(c.torch_device().type),
+        "device": c.device, "bf16": c.train.bf16_on(qs.device.type),
         "checkpoint": {"every": c.train.checkpoint_every, "keep_last": 1},
         "output_dir": str(out / "runs" / run_name(kind, stage)),
     }
