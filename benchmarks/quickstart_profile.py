@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--device", default=None, help="auto | cpu | cuda | mps (default: the recipe's, auto)")
     args = ap.parse_args()
-    configure_process()  # the allocator settings `moembed quickstart` runs with, before torch loads
+    configure_process(training=True)  # the process settings `moembed quickstart` runs with, before torch loads
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
 
     if args.out.exists():

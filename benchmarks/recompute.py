@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="auto | cpu | cuda | mps (default: the recipe's, auto)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    configure_process()  # the settings `moembed quickstart` trains with, before torch loads
+    configure_process(training=True)  # the settings `moembed quickstart` trains with, before torch loads
 
     import torch
 

@@ -14,6 +14,7 @@ from moembed.heap import configure_process
 
 # One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
 COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
+TRAINING = {"train", "quickstart"}  # commands that train: their process runs with moembed.heap's training settings
 
 app = typer.Typer(
     name="moembed",
@@ -29,7 +30,8 @@ for _name in COMMANDS:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    configure_process()  # before torch loads: PyTorch and oneDNN read these once (moembed.heap)
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    configure_process(training=command in TRAINING)  # before torch loads: torch, oneDNN and OpenMP read these once
     logging.basicConfig(level=logging.INFO, format="moembed: %(message)s", stream=sys.stderr)
     try:
         app()
