@@ -30,9 +30,10 @@ memory. PyTorch reads it at its first allocation, so the command sets it before 
     release_free_heap()   return the heap's free pages to the system (malloc_trim): between a recipe's stages
 A training process also sets OMP_WAIT_POLICY=PASSIVE: OpenMP's worker threads then sleep at the end of a parallel
 region instead of spinning for it. Between a training step's matmuls the main thread runs autograd, the optimizer
-and the loss alone, and spinning workers burned that time as CPU: the quickstart's dense finetuning (20 steps, 2
-threads, AVX2 EPYC, 3 runs each, alternating) took 0.82x the CPU time and 0.93x the wall time with it. Encoding,
-whose regions are long matmuls back to back, showed no gain, so inference commands keep OpenMP's default.
+and the loss alone, and spinning workers burned that time as CPU: the quickstart's finetuning (20 steps, 2 threads,
+AVX2 EPYC, 7 pairs of runs, dense and MoE, alternating) took 0.84x the CPU time and 0.95x the wall time with it
+(medians). Encoding, whose regions are long matmuls back to back, showed no gain, so inference commands keep
+OpenMP's default.
 OpenMP reads it when torch loads.
 
     process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);

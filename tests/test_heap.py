@@ -97,29 +97,51 @@ def test_free_heap_pages_are_returned():
 
 
 # The `moembed` command caps oneDNN's primitive cache and turns on PyTorch's huge pages before torch loads (both
-# are read once); a user's own settings are kept.
+# are read once), and a training command puts OpenMP's idle workers to sleep; a user's own settings are kept.
 CLI_ENV = r"""
 import json, os, sys
 from moembed.cli.main import main
 loaded_early = "torch" in sys.modules
-sys.argv = ["moembed", "models", "--help"]
+sys.argv = ["moembed", sys.argv[1], "--help"]
 try:
     main()
 except SystemExit:
     pass
 print(json.dumps({"torch_before_main": loaded_early, "cap": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
-                  "thp": os.environ.get("THP_MEM_ALLOC_ENABLE")}), file=sys.stderr)
+                  "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"), "wait": os.environ.get("OMP_WAIT_POLICY")}),
+      file=sys.stderr)
 """
+SET_BY_MOEMBED = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "THP_MEM_ALLOC_ENABLE", "OMP_WAIT_POLICY")
+
+
+def cli_env(command: str, user: dict) -> dict:
+    """The process settings the `moembed` command leaves in its environment when run as `moembed COMMAND --help`
+    (command functions import torch only when they run), under the user's own `user` settings."""
+    env = {k: v for k, v in os.environ.items() if k not in SET_BY_MOEMBED}
+    out = subprocess.run([sys.executable, "-c", CLI_ENV, command], capture_output=True, text=True, check=True,
+                         env={**env, **user})
+    return json.loads(out.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("user", [{}, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "512", "THP_MEM_ALLOC_ENABLE": "0"}])
 def test_the_command_sets_the_allocator_before_torch_loads(user):
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "THP_MEM_ALLOC_ENABLE")}
-    out = subprocess.run([sys.executable, "-c", CLI_ENV], capture_output=True, text=True, check=True, env={**env, **user})
-    got = json.loads(out.stderr.strip().splitlines()[-1])
+    got = cli_env("models", user)
     assert got["torch_before_main"] is False  # else neither setting could take effect
     assert got["cap"] == user.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
     assert got["thp"] == user.get("THP_MEM_ALLOC_ENABLE", "1")
+
+
+@pytest.mark.parametrize("command, user, expected", [
+    ("train", {}, "PASSIVE"),
+    ("quickstart", {}, "PASSIVE"),
+    ("encode", {}, None),  # inference keeps OpenMP's default: no gain measured there
+    ("serve", {}, None),
+    ("train", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),  # the user's own choice is kept
+])
+def test_training_commands_put_idle_openmp_workers_to_sleep(command, user, expected):
+    got = cli_env(command, user)
+    assert got["torch_before_main"] is False  # OpenMP reads the policy when torch loads it
+    assert got["wait"] == expected
 
 
 def test_configure_process_sets_only_what_the_user_has_not(monkeypatch):

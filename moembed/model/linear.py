@@ -140,7 +140,8 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     xs[n] = 0.0
     xs[n, :2] = torch.tensor([1.0, -1.0])
     y = torch.ops.quantized.linear_dynamic(xs, w.packed, True)[:n]  # (N, n)
-    y = torch.addcmul(w.bias, y, m) if w.bias is not None else y.mul_(m)
+    # in place: no second (N, n) buffer (a fresh one is page faults each call wherever malloc has trimmed its heap)
+    y = torch.addcmul(w.bias, y, m, out=y) if w.bias is not None else y.mul_(m)
     if w.outliers.numel():
         y.addmm_(x.index_select(1, w.outliers), w.w_outliers)  # (N, o) @ (o, n)
     return y

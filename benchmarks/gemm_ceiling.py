@@ -1,0 +1,169 @@
+"""What this machine's matmul kernels allow: float32, bf16 and int8 on the linear layers of one encoder layer.
+
+    OMP_NUM_THREADS=2 python benchmarks/gemm_ceiling.py [--tokens 2048] [--repeats 5] [--device cuda] [--json F]
+
+The encode-speed goals for reduced precision (bf16 >= 1.6x float32, int8 >= 2x; BENCHMARKS.md, "Reduced-precision
+encode") assume kernels with twice and four times float32's peak (AVX-512 BF16 / AMX, VNNI). This measures the
+kernels themselves on all-MiniLM-L6-v2's layer shapes (q, k, v, o: 384 -> 384; fc1: 384 -> 1536; fc2: 1536 -> 384)
+for `--tokens` packed tokens, so an encode ratio can be read against the ceiling the CPU sets:
+
+- float32 `Linear` (moembed's inference path, oneDNN-packed weights) — the baseline of every ratio;
+- float32 `F.linear` (the BLAS with the weight in its stored layout);
+- bf16 `F.linear` on bf16 weights and inputs (what bf16 autocast runs);
+- int8 GEMM alone (CPU: fbgemm's kernel on inputs quantised beforehand; GPU: `torch._int_mm`);
+- int8 `Linear` (moembed's `--dtype int8` path: per-row dynamic quantisation, the GEMM, rescaling, outliers).
+
+Variants run in turn within each repeat (medians over repeats), after a warm-up. On a GPU the moembed `Linear`
+rows are skipped (their fast paths are CPU-only) and times are synchronised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moembed.model.linear import Linear, int8_available
+
+SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
+
+
+def flops(tokens: int) -> float:
+    return sum(2.0 * tokens * k * n for k, n in SHAPES)
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    """Seconds per call of `fn` (the layer's six matmuls), over `iters` calls."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def variants(tokens: int, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    xs = {k: torch.randn(tokens, k, device=device) for k in (384, 1536)}
+    weights = [(torch.randn(n, k, device=device) / k**0.5, torch.randn(n, device=device)) for k, n in SHAPES]
+    out = {}
+
+    def plain():
+        for (w, b), (k, _) in zip(weights, SHAPES):
+            F.linear(xs[k], w, b)
+
+    out["float32 F.linear"] = plain
+
+    xs16 = {k: x.bfloat16() for k, x in xs.items()}
+    w16 = [(w.bfloat16(), b.bfloat16()) for w, b in weights]
+
+    def bf16():
+        for (w, b), (k, _) in zip(w16, SHAPES):
+            F.linear(xs16[k], w, b)
+
+    out["bf16 F.linear"] = bf16
+
+    if device.type == "cpu" and int8_available():
+        # fbgemm's u8 x s8 GEMM on an input quantised beforehand (static quantisation: the kernel and its requantised
+        # output, without the per-call input quantisation of the dynamic path)
+        with warnings.catch_warnings():  # the eager quantised-tensor API is deprecated; its kernels are not
+            warnings.simplefilter("ignore")
+            qxs = {k: torch.quantize_per_tensor(x, x.abs().max().item() / 127, 128, torch.quint8) for k, x in xs.items()}
+            packed = [torch.ops.quantized.linear_prepack(
+                torch.quantize_per_tensor(w, w.abs().max().item() / 127, 0, torch.qint8), b) for w, b in weights]
+
+        def int8_gemm():
+            for w, (k, _) in zip(packed, SHAPES):
+                torch.ops.quantized.linear(qxs[k], w, 0.05, 128)
+
+        out["int8 GEMM alone (fbgemm, static)"] = int8_gemm
+    elif device.type == "cuda":
+        xs8 = {k: torch.randint(-127, 128, (tokens, k), dtype=torch.int8, device=device) for k in (384, 1536)}
+        w8 = [torch.randint(-127, 128, (k, n), dtype=torch.int8, device=device) for k, n in SHAPES]
+
+        def int8_gemm():
+            for w, (k, _) in zip(w8, SHAPES):
+                torch._int_mm(xs8[k], w)  # int8 x int8 -> int32
+
+        out["int8 GEMM alone (torch._int_mm)"] = int8_gemm
+
+    if device.type == "cpu":
+        layers = []
+        for (w, b), (k, n) in zip(weights, SHAPES):
+            layer = Linear(k, n).eval()
+            layer.load_state_dict({"weight": w, "bias": b})
+            layers.append(layer)
+        model = torch.nn.ModuleList(layers)
+
+        def moembed_layers(path: str):
+            def run():
+                for layer, (k, _) in zip(layers, SHAPES):
+                    layer(xs[k])
+                    assert layer.last_path == path, (layer.last_path, path)  # the path measured is the one named
+
+            return run
+
+        out["float32 moembed Linear (packed)"] = moembed_layers("packed")
+        if int8_available():
+            int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
+            int8_model.load_state_dict(model.state_dict())
+            for layer, (k, _) in zip(int8_model, SHAPES):  # as `quantize_int8` sets up an encoder's layers
+                layer.__dict__["int8_amax"] = xs[k].abs().amax(0)  # (k,) picks the float32 outlier channels
+                layer.__dict__["int8"] = True
+
+            def int8_layers():
+                for layer, (k, _) in zip(int8_model, SHAPES):
+                    layer(xs[k])
+                    assert layer.last_path == "int8"
+
+            out["int8 moembed Linear (dynamic)"] = int8_layers
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="packed tokens per call (32 texts of 64 tokens)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=1.0, help="target time per variant per repeat")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; CPU: "
+          + ", ".join(k for k, v in sorted(caps.items()) if v is True))
+
+    with torch.no_grad():
+        runs = variants(args.tokens, device)
+        iters = {}
+        for name, fn in runs.items():  # warm-up, and calls per repeat sized to about --seconds
+            fn()
+            iters[name] = max(1, round(args.seconds / timed(fn, device, 2)))
+        times = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, fn in runs.items():
+                times[name].append(timed(fn, device, iters[name]))
+
+    base = "float32 moembed Linear (packed)" if "float32 moembed Linear (packed)" in runs else "float32 F.linear"
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = [{"variant": name, "ms": 1e3 * s, "gflops": flops(args.tokens) / s / 1e9, "vs_float32": med[base] / s}
+            for name, s in med.items()]
+    print(f"\none encoder layer's linear layers, {args.tokens} tokens, median of {args.repeats}:")
+    print(f"{'variant':<36} {'ms':>8} {'GFLOP/s':>9} {'x ' + base:>10}")
+    for r in rows:
+        print(f"{r['variant']:<36} {r['ms']:8.2f} {r['gflops']:9.1f} {r['vs_float32']:9.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"tokens": args.tokens, "baseline": base, "rows": rows,
+                                         "cpu_flags": sorted(k for k, v in caps.items() if v is True)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
