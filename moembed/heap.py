@@ -33,8 +33,7 @@ region instead of spinning for it. Between a training step's matmuls the main th
 and the loss alone, and spinning workers burned that time as CPU: the quickstart's finetuning (20 steps, 2 threads,
 AVX2 EPYC, 7 pairs of runs, dense and MoE, alternating) took 0.84x the CPU time and 0.95x the wall time with it
 (medians). Encoding, whose regions are long matmuls back to back, showed no gain, so inference commands keep
-OpenMP's default.
-OpenMP reads it when torch loads.
+OpenMP's default. OpenMP reads the policy when torch loads it, so the command sets it before importing torch.
 
     process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);
                           training: OMP_WAIT_POLICY = PASSIVE
