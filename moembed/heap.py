@@ -31,8 +31,8 @@ memory. PyTorch reads it at its first allocation, so the command sets it before 
 A training process also sets OMP_WAIT_POLICY=PASSIVE: OpenMP's worker threads then sleep at the end of a parallel
 region instead of spinning for it. Between a training step's matmuls the main thread runs autograd, the optimizer
 and the loss alone, and spinning workers burned that time as CPU: the quickstart's finetuning (20 steps, 2 threads,
-AVX2 EPYC, 7 pairs of runs, dense and MoE, alternating) took 0.84x the CPU time and 0.95x the wall time with it
-(medians). Encoding, whose regions are long matmuls back to back, showed no gain, so inference commands keep
+AVX2 EPYC, 9 pairs of fresh runs, dense and MoE; benchmarks/wait_policy.py) took 0.87x the CPU time with it
+(median; never more), at 0.98x the wall time (0.88-1.14x). Encoding, whose regions are long matmuls back to back, showed no gain, so inference commands keep
 OpenMP's default. OpenMP reads the policy when torch loads it, so the command sets it before importing torch.
 
     process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);
