@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moembed.model.linear import Linear, int8_available
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from precision import cpu_flags  # noqa: E402
+
+from moembed.model.linear import Linear, int8_available  # noqa: E402
 
 SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
 
@@ -137,9 +142,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
-    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; CPU: "
-          + ", ".join(k for k, v in sorted(caps.items()) if v is True))
+    cpu = cpu_flags()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; {cpu}")
 
     with torch.no_grad():
         runs = variants(args.tokens, device)
@@ -162,7 +166,7 @@ def main() -> None:
         print(f"{r['variant']:<36} {r['ms']:8.2f} {r['gflops']:9.1f} {r['vs_float32']:9.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "baseline": base, "rows": rows,
-                                         "cpu_flags": sorted(k for k, v in caps.items() if v is True)}, indent=1))
+                                         "cpu": cpu}, indent=1))
 
 
 if __name__ == "__main__":
