@@ -8,8 +8,8 @@ no-grad pass of GradCache included, where the optimizer changes the weights ever
 Set MOEMBED_NO_FASTPATH=1 to disable it.
 
 **Dynamic int8** (`quantize_int8(model)`): weights are quantised once per output channel to int8 (symmetric), and
-each call quantises its input rows to 8 bits with a range taken from that input alone ("dynamic" quantisation, so no
-calibration data is needed), multiplies in integers and rescales to float32. It uses torch's x86 quantised kernels
+each call quantises every input row to 8 bits with that row's own range ("dynamic" quantisation, so no calibration
+data is needed), multiplies in integers and rescales to float32. It uses torch's x86 quantised kernels
 (fbgemm: VNNI where the CPU has it, AVX2 otherwise) and runs at inference only; training and autograd always see the
 float32 weights, which are kept. Every linear layer and every expert of an MoE block take part.
 
@@ -93,6 +93,12 @@ def int8_available() -> bool:
 
 OUTLIERS = 8  # input channels per layer kept in float32 (the largest activations; see `pack_int8`)
 
+# The activations' 8-bit grid, (scale, zero point) over [-1, 1] with 7-bit reduced range, as the dynamic kernel
+# would choose for that range: reduced range keeps AVX2's 16-bit pair sums (vpmaddubsw) from saturating.
+INT8_GRID = (2.0 / 127, 64)
+# The fbgemm kernel that takes the grid as given (no range pass); None where this torch lacks it.
+_fixed_grid_linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
+
 
 @dataclass
 class Int8Weight:
@@ -127,19 +133,22 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """F.linear with int8 weights: x (N, k) float32 → (N, n) float32.
 
     Each row is quantised with its own range (its largest |value| outside the outlier channels), so a text's
-    embedding never depends on the other texts of its batch: the rows are divided by that maximum, and one fixed
-    row (1, -1, 0, ...) appended, so the kernel's per-call range is always [-1, 1] and its 8-bit grid the same for
-    every call. reduce_range (7-bit activations) keeps AVX2's 16-bit pair sums (vpmaddubsw) from saturating.
+    embedding never depends on the other texts of its batch: the rows are divided by that maximum and quantised on
+    one fixed grid over [-1, 1] (`INT8_GRID`), which the kernel takes as given instead of measuring each call's
+    range. The outlier channels of the scaled rows may lie beyond 1: the quantiser clamps them, and their int8
+    weights are 0 (`pack_int8`); their float32 product is added after the rescale.
     """
-    n, k = x.shape
-    xs = x.new_empty(n + 1, k)  # (N + 1, k) the rows, scaled, then the fixed row
-    xs[:n] = x
-    xs[:n].index_fill_(1, w.outliers, 0.0)
-    m = xs[:n].abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1) (faster than an inf-norm here)
-    xs[:n] /= m
-    xs[n] = 0.0
-    xs[n, :2] = torch.tensor([1.0, -1.0])
-    y = torch.ops.quantized.linear_dynamic(xs, w.packed, True)[:n]  # (N, n)
+    xs = x.abs()  # (N, k), then the scaled rows
+    if w.outliers.numel():
+        xs.index_fill_(1, w.outliers, 0.0)
+    m = xs.amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1) (faster than an inf-norm here)
+    torch.div(x, m, out=xs)
+    if _fixed_grid_linear is not None:
+        y = _fixed_grid_linear(xs, *INT8_GRID, w.packed)  # (N, n)
+    else:  # older kernels measure the range: a fixed row (1, -1, 0, ...) makes it [-1, 1] on every call
+        fixed = xs.new_zeros(1, xs.shape[1])
+        fixed[0, :2] = torch.tensor([1.0, -1.0])
+        y = torch.ops.quantized.linear_dynamic(torch.cat([xs.clamp_(-1.0, 1.0), fixed]), w.packed, True)[:-1]
     # in place: no second (N, n) buffer (a fresh one is page faults each call wherever malloc has trimmed its heap)
     y = torch.addcmul(w.bias, y, m, out=y) if w.bias is not None else y.mul_(m)
     if w.outliers.numel():
