@@ -3,7 +3,7 @@
     python benchmarks/encode.py                 # both libraries, float32 and bf16, interleaved repeats
     python benchmarks/encode.py --only moembed  # one side only (for whole-process timing)
     python benchmarks/encode.py --device cuda   # on a GPU
-    python benchmarks/encode.py --float32-only --plain   # also moembed without oneDNN-packed weights
+    python benchmarks/encode.py --float32-only --plain   # also moembed with packed weights forced on and off
 
 Prints sentences/s (median over repeats) of each, the ratios, the minimum row cosine between moembed and
 sentence-transformers in float32, and between moembed's bf16 path and its float32 output.
@@ -27,17 +27,11 @@ import torch  # noqa: E402
 from sentences import news_sentences  # noqa: E402
 
 
-def _plain(encode):
-    """`encode()` with moembed's packed-weight fast path off (the switch is read on every call)."""
-    before = os.environ.get("MOEMBED_NO_FASTPATH")
-    os.environ["MOEMBED_NO_FASTPATH"] = "1"
-    try:
+def _with_fastpath(enabled: bool, encode):
+    from moembed.model.linear import fastpath
+
+    with fastpath(enabled):
         return encode()
-    finally:
-        if before is None:
-            del os.environ["MOEMBED_NO_FASTPATH"]
-        else:
-            os.environ["MOEMBED_NO_FASTPATH"] = before
 
 
 def main() -> None:
@@ -51,7 +45,7 @@ def main() -> None:
     ap.add_argument("--float32-only", action="store_true",
                     help="side by side in float32 only (where bf16 is emulated, its half takes many minutes)")
     ap.add_argument("--plain", action="store_true",
-                    help="also moembed float32 with plain F.linear (MOEMBED_NO_FASTPATH=1), to show what packing gains")
+                    help="also moembed float32 with packing forced on and off (its default depends on the CPU)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -70,7 +64,8 @@ def main() -> None:
         m = Embedder.load(path).to(device)
         runs["moembed float32"] = lambda: m.encode(texts, batch_size=bs)
         if args.plain:
-            runs["moembed float32 plain"] = lambda: _plain(lambda: m.encode(texts, batch_size=bs))
+            runs["moembed float32 packed"] = lambda: _with_fastpath(True, lambda: m.encode(texts, batch_size=bs))
+            runs["moembed float32 plain"] = lambda: _with_fastpath(False, lambda: m.encode(texts, batch_size=bs))
         if not args.float32_only:
             runs["moembed bf16"] = lambda: m.encode(texts, batch_size=bs, bf16=True)
     if args.only != "moembed":
@@ -109,7 +104,7 @@ def main() -> None:
         print(f"  {k:<32} {r:8.1f} sentences/s")
     print(f"ratio float32 moembed / sentence-transformers: {rate['moembed float32'] / rate['sentence-transformers float32']:.2f}x")
     if args.plain:
-        print(f"ratio float32 moembed packed / plain: {rate['moembed float32'] / rate['moembed float32 plain']:.2f}x")
+        print(f"ratio float32 moembed packed / plain: {rate['moembed float32 packed'] / rate['moembed float32 plain']:.2f}x")
     if not args.float32_only:
         print(f"ratio bf16    moembed / sentence-transformers: {rate['moembed bf16'] / rate['sentence-transformers bf16']:.2f}x")
     cos = lambda a, b: float((a * b).sum(1).min())  # noqa: E731 (both L2-normalised)

@@ -3,7 +3,8 @@
     python benchmarks/moe.py [--sentences 2000] [--reps 5] [--bf16] [--variants dense,moe-auto,...] [--device cuda]
 
 The MoE model is all-MiniLM-L6-v2 upcycled to 8 experts, top-2, on layers 2/4/6. Variants: dense; MoE with
-the default dispatch ("auto": grouped in training, packed-weight expert loop at fp32 CPU inference); MoE with
+the default dispatch ("auto": grouped in training; at fp32 CPU inference the packed-weight expert loop where packing
+pays, AVX-512 CPUs, else grouped); MoE with
 grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
 reference (a boolean mask per expert over all tokens). Repetitions are interleaved across variants so
 that load changes on a shared machine hit every variant alike; medians are reported.

@@ -13,7 +13,7 @@ and only while it trains: the evaluation after it in the same process paid 24% m
 threshold (BENCHMARKS.md), so leaving the block sets glibc's ceiling, the state its own rule reaches after the
 first large free.
 
-oneDNN (the packed float32 linear layers and experts of CPU inference) keeps one primitive per matmul shape it
+oneDNN (the packed float32 linear layers and experts of CPU inference, where packing is on) keeps one primitive per matmul shape it
 has seen, up to 1,024 by default, each with its own buffers. An MoE layer's experts see a new token count almost
 every batch, so a process encoding with an MoE model grew from 1.1 to 2.0 GiB over 12 passes of the same texts;
 with the cache capped at 64 it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP floor"). oneDNN

@@ -5,12 +5,14 @@ covers every linear layer and MoE expert. Each test asserts the path that actual
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import moembed.model.linear as linear
 from moembed.model.config import MoEConfig
 from moembed.model.linear import (
     Linear,
@@ -19,6 +21,7 @@ from moembed.model.linear import (
     int8_available,
     int8_linear,
     pack_int8,
+    packing_pays,
     quantize_int8,
 )
 from moembed.model.moe import MoEBlock
@@ -34,7 +37,15 @@ def sentences() -> list[str]:
     return news_sentences(32) + ["", "x"]
 
 
-packed_only = pytest.mark.skipif(not fastpath_enabled(), reason="this torch build has no oneDNN packed linear")
+@pytest.fixture
+def packing_on(monkeypatch):
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # on wherever the build has it, whatever this CPU's default
+
+
+def packed_only(test):
+    """A test of the packed path: packing switched on; skipped only where this torch build lacks oneDNN."""
+    test = pytest.mark.usefixtures("packing_on")(test)
+    return pytest.mark.skipif(not linear._HAS_PACKED, reason="this torch build has no oneDNN packed linear")(test)
 int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build has no x86 quantised kernels")
 
 
@@ -59,6 +70,27 @@ def test_repacks_after_weight_update():
         lin.weight.mul_(2.0)  # an optimizer step updates in place: the cache must notice
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
     assert lin.last_path == "packed"
+
+
+@pytest.mark.skipif(not linear._HAS_PACKED, reason="this torch build has no oneDNN packed linear")
+def test_packing_is_the_default_only_where_it_pays(monkeypatch):
+    # Packed weights are about 2x the plain call where torch runs AVX-512 kernels and slower on AVX2 only.
+    assert packing_pays("AVX512") and not packing_pays("AVX2") and not packing_pays("DEFAULT")
+    lin, x = Linear(8, 8).eval(), torch.randn(3, 8)
+    monkeypatch.delenv("MOEMBED_NO_FASTPATH", raising=False)
+    for pays, path in ((False, "plain"), (True, "packed")):
+        monkeypatch.setattr(linear, "_PACKING_PAYS", pays)
+        with torch.no_grad():
+            lin(x)
+        assert lin.last_path == path
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")  # off even where it pays
+    assert not fastpath_enabled()
+    monkeypatch.setattr(linear, "_PACKING_PAYS", False)
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # on even where it does not
+    assert fastpath_enabled()
+    with linear.fastpath(False):  # the same switch for a block, restored after it
+        assert not fastpath_enabled()
+    assert os.environ["MOEMBED_NO_FASTPATH"] == "0"
 
 
 def test_training_uses_autograd_path(monkeypatch):

@@ -16,7 +16,7 @@ from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_f
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
 from moembed.model.linear import fastpath_enabled
-from moembed.model.moe import MoEBlock, set_dispatch
+from moembed.model.moe import MoEBlock, grouped_support, set_dispatch
 from moembed.model.convert.upcycle import upcycle
 from moembed.model.presets import nomic_v2_moe_base, tiny_config
 from moembed.model.utilisation import format_report, from_output, probe, router_entropy
@@ -89,7 +89,7 @@ def test_one_expert_with_copied_weights_equals_dense(mlp, bias):
 
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("mlp,bias", [("gelu", True), ("swiglu", False)])
-def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k, mlp, bias):
+def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k, mlp, bias, monkeypatch):
     torch.manual_seed(1)
     cfg = block_config(mlp, bias, top_k=top_k).model_copy(update={"hidden_dropout": 0.0, "attention_dropout": 0.0})
     cfg = EncoderConfig(**cfg.model_dump())
@@ -121,11 +121,16 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
         for k in gr:
             torch.testing.assert_close(gr[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=f"{mode}: grad of {k}")
     enc.eval()
-    with torch.no_grad():  # inference takes other paths (oneDNN-packed expert weights on CPU)
-        for mode, path in (("auto", "packed-loop"), ("loop", "packed-loop"), ("grouped", "grouped")):
-            set_dispatch(enc, mode)
-            torch.testing.assert_close(enc(ids, mask).last_hidden_state, ref_out.last_hidden_state, rtol=1e-5, atol=1e-5)
-            assert dispatches(enc) == {path if fastpath_enabled() else path.removeprefix("packed-")}
+    with torch.no_grad():  # inference takes other paths (oneDNN-packed expert weights on CPU, where switched on)
+        for switch in ("0", "1"):  # packing on wherever the build has it; off
+            monkeypatch.setenv("MOEMBED_NO_FASTPATH", switch)
+            unpacked = "grouped" if grouped_support(torch.device("cpu"), torch.float32).preferred else "loop"
+            for mode, path, plain in (("auto", "packed-loop", unpacked), ("loop", "packed-loop", "loop"),
+                                      ("grouped", "grouped", "grouped")):
+                set_dispatch(enc, mode)
+                out = enc(ids, mask).last_hidden_state
+                torch.testing.assert_close(out, ref_out.last_hidden_state, rtol=1e-5, atol=1e-5)
+                assert dispatches(enc) == {path if fastpath_enabled() else plain}
 
 
 def test_bf16_autocast_grouped_matches_loop():

@@ -1,11 +1,13 @@
 """`Linear`: nn.Linear with two CPU inference paths, and the int8 kernels the MoE experts share.
 
 **Packed float32.** At inference on CPU in float32, `F.linear` hands the weight to the BLAS in its stored layout on
-every call. oneDNN can instead take a weight re-laid out once for its kernels ("packed"), which is faster for the
-matrix shapes of small encoders (linear layers are ~75% of encoding time). The packed copy is made lazily, cached
-per weight version, and used only at inference (no gradient, module in eval mode), so training passes — the
-no-grad pass of GradCache included, where the optimizer changes the weights every step — never pay for packing.
-Set MOEMBED_NO_FASTPATH=1 to disable it.
+every call. oneDNN can instead take a weight re-laid out once for its kernels ("packed"), which is about twice as
+fast for the matrix shapes of small encoders on CPUs with AVX-512 kernels (linear layers are ~75% of encoding time);
+on AVX2-only CPUs it was slower than the plain call (whole encode 0.93x dense, 0.88x MoE; BENCHMARKS.md), so there
+it is off by default (`packing_pays`). The packed copy is made lazily, cached per weight version, and used only at
+inference (no gradient, module in eval mode), so training passes — the no-grad pass of GradCache included, where
+the optimizer changes the weights every step — never pay for packing. MOEMBED_NO_FASTPATH=1 turns it off on every
+CPU, MOEMBED_NO_FASTPATH=0 on wherever this torch build has it.
 
 **Dynamic int8** (`quantize_int8(model)`): weights are quantised once per output channel to int8 (symmetric), and
 each call quantises every input row to 8 bits with that row's own range ("dynamic" quantisation, so no calibration
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +32,35 @@ import torch.nn.functional as F
 _HAS_PACKED = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
+def packing_pays(capability: str | None = None) -> bool:
+    """Whether oneDNN-packed float32 weights beat the plain `F.linear` on a CPU whose torch kernel level is
+    `capability` (this one's by default): where torch runs AVX-512 kernels (AMX CPUs included), not on AVX2 only."""
+    return (capability or torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
+
+
+_PACKING_PAYS = packing_pays()
+
+
+@contextmanager
+def fastpath(enabled: bool):
+    """A block with packing switched on (wherever this torch build has it) or off, whatever the CPU's default;
+    MOEMBED_NO_FASTPATH is restored after it."""
+    before = os.environ.get("MOEMBED_NO_FASTPATH")
+    os.environ["MOEMBED_NO_FASTPATH"] = "0" if enabled else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MOEMBED_NO_FASTPATH"]
+        else:
+            os.environ["MOEMBED_NO_FASTPATH"] = before
+
+
 def fastpath_enabled() -> bool:
-    return _HAS_PACKED and os.environ.get("MOEMBED_NO_FASTPATH", "") in ("", "0")
+    """Whether float32 CPU inference uses packed weights: MOEMBED_NO_FASTPATH unset, where `packing_pays`; 1, never;
+    0, wherever this torch build has the packed kernels."""
+    switch = os.environ.get("MOEMBED_NO_FASTPATH", "")
+    return _HAS_PACKED and (switch == "0" or (switch == "" and _PACKING_PAYS))
 
 
 def inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
