@@ -13,12 +13,12 @@ and only while it trains: the evaluation after it in the same process paid 24% m
 threshold (BENCHMARKS.md), so leaving the block sets glibc's ceiling, the state its own rule reaches after the
 first large free.
 
-oneDNN (the packed float32 linear layers and experts of CPU inference, where packing is on) keeps one primitive per matmul shape it
-has seen, up to 1,024 by default, each with its own buffers. An MoE layer's experts see a new token count almost
-every batch, so a process encoding with an MoE model grew from 1.1 to 2.0 GiB over 12 passes of the same texts;
-with the cache capped at 64 it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP floor"). oneDNN
-reads the cap once, when it makes its first primitive, so the `moembed` command sets it on start; a program using
-the library sets ONEDNN_PRIMITIVE_CACHE_CAPACITY itself before its first model runs.
+oneDNN (the packed float32 linear layers and experts of CPU inference, where packing is on) keeps one primitive
+per matmul shape it has seen, up to 1,024 by default, each with its own buffers. An MoE layer's experts see a new
+token count almost every batch, so a process encoding with an MoE model grew from 1.1 to 2.0 GiB over 12 passes of
+the same texts; with the cache capped at 64 it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP
+floor"). oneDNN reads the cap once, when it makes its first primitive, so the `moembed` command sets it on start; a
+program using the library sets ONEDNN_PRIMITIVE_CACHE_CAPACITY itself before its first model runs.
 
 The fixed threshold's price is page faults on fresh memory, 4 KiB at a time. PyTorch's THP_MEM_ALLOC_ENABLE=1
 aligns its buffers of 2 MiB and more to huge pages and asks the kernel for them (madvise), 512 times fewer faults:
@@ -28,12 +28,14 @@ memory. PyTorch reads it at its first allocation, so the command sets it before 
     bounded_heap()        a block that runs with the threshold fixed, then restores the ceiling and trims
     bound_heap_growth()   fix the threshold (no-op off glibc, or when MALLOC_MMAP_THRESHOLD_ is set by the user)
     release_free_heap()   return the heap's free pages to the system (malloc_trim): between a recipe's stages
+
 A training process also sets OMP_WAIT_POLICY=PASSIVE: OpenMP's worker threads then sleep at the end of a parallel
 region instead of spinning for it. Between a training step's matmuls the main thread runs autograd, the optimizer
 and the loss alone, and spinning workers burned that time as CPU: the quickstart's finetuning (20 steps, 2 threads,
-AVX2 EPYC, 9 pairs of fresh runs, dense and MoE; benchmarks/wait_policy.py) took 0.87x the CPU time with it
-(median; never more), at 0.98x the wall time (0.88-1.14x). Encoding, whose regions are long matmuls back to back, showed no gain, so inference commands keep
-OpenMP's default. OpenMP reads the policy when torch loads it, so the command sets it before importing torch.
+AVX2 EPYC, 9 pairs of fresh runs, dense and MoE; benchmarks/wait_policy.py) took 0.87x the CPU time with it (median;
+never more), at 0.98x the wall time (0.88-1.14x). Encoding, whose regions are long matmuls back to back, showed no
+gain, so inference commands keep OpenMP's default. OpenMP reads the policy when torch loads it, so the command sets
+it before importing torch.
 
     process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);
                           training: OMP_WAIT_POLICY = PASSIVE

@@ -157,8 +157,6 @@ def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact():
 def test_int8_fixed_grid_kernel_runs_and_equals_the_measured_range_kernel(monkeypatch):
     # The kernel that takes the [-1, 1] grid as given must give what the range-measuring kernel gives on the
     # same scaled rows (a fixed row pins its range), outlier channels beyond 1 included.
-    import moembed.model.linear as linear
-
     assert linear._fixed_grid_linear is not None  # this torch has it: the fast path is what runs
     x = _with_outliers(33, 96)
     w = pack_int8(torch.randn(80, 96) * 0.05, torch.randn(80), x.abs().amax(0))

@@ -122,9 +122,9 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
             torch.testing.assert_close(gr[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=f"{mode}: grad of {k}")
     enc.eval()
     with torch.no_grad():  # inference takes other paths (oneDNN-packed expert weights on CPU, where switched on)
+        unpacked = "grouped" if grouped_support(torch.device("cpu"), torch.float32).preferred else "loop"
         for switch in ("0", "1"):  # packing on wherever the build has it; off
             monkeypatch.setenv("MOEMBED_NO_FASTPATH", switch)
-            unpacked = "grouped" if grouped_support(torch.device("cpu"), torch.float32).preferred else "loop"
             for mode, path, plain in (("auto", "packed-loop", unpacked), ("loop", "packed-loop", "loop"),
                                       ("grouped", "grouped", "grouped")):
                 set_dispatch(enc, mode)
