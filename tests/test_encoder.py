@@ -36,6 +36,33 @@ def test_bert_parity_with_transformers(minilm_path, minilm):
     assert got[~mask].abs().max().item() == 0.0  # padding positions are zeros, never computed
 
 
+@pytest.mark.real
+def test_bert_gradients_match_transformers(minilm_path):
+    """Backward parity on real weights: transformers' BertModel gradients, renamed by the converter, equal moembed's
+    (the fused qkv projection's included, and the packed layout's: padding removed before every linear layer)."""
+    from transformers import AutoTokenizer, BertModel
+
+    from moembed.model.embedder import Embedder
+    from moembed.model.families.bert import CONVERTER
+
+    ref = BertModel.from_pretrained(str(minilm_path), attn_implementation="eager", add_pooling_layer=False).eval()
+    emb = Embedder.load(minilm_path)  # its own copy: the session's `minilm` must not collect gradients
+    emb.encoder.eval()
+    b = AutoTokenizer.from_pretrained(str(minilm_path))(TEXTS, padding=True, return_tensors="pt")
+    mask = b["attention_mask"].bool()
+    want = ref(**b).last_hidden_state
+    got = emb.encoder(b["input_ids"], b["attention_mask"], b["token_type_ids"]).last_hidden_state
+    r = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    (want[mask] * r[mask]).sum().backward()
+    (got[mask] * r[mask]).sum().backward()
+    theirs = CONVERTER.weights_from_hf({n: p.grad for n, p in ref.named_parameters()}, emb.config)
+    mine = {n: p.grad for n, p in emb.encoder.named_parameters()}
+    assert set(mine) <= set(theirs)
+    for n, g in mine.items():
+        scale = theirs[n].abs().max().item()  # float32 sums over the batch: relative to the largest entry
+        torch.testing.assert_close(g, theirs[n], atol=1e-5 * scale, rtol=1e-4, msg=n)
+
+
 def _reference_rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half RoPE written from the definition: channel j pairs with j + D/2, angle t · base^(-2j/D)."""
     B, H, T, D = x.shape
