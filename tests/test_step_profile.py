@@ -15,7 +15,7 @@ from moembed.model.encoder import Encoder  # noqa: E402
 from moembed.model.presets import tiny_config  # noqa: E402
 
 
-def test_a_training_step_s_operators_go_to_their_kind_of_work():
+def test_training_step_operators_go_to_their_kind_of_work():
     torch.manual_seed(0)
     enc = Encoder(tiny_config("bert", hidden_dropout=0.1, attention_dropout=0.0)).train()
     opt = torch.optim.AdamW(enc.parameters(), lr=1e-3)
