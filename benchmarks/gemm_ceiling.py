@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision import cpu_flags  # noqa: E402
 
-from moembed.model.linear import Linear, fastpath, int8_available, packing_pays  # noqa: E402
+from moembed.model.linear import Linear, fastpath, fastpath_enabled, int8_available  # noqa: E402
 
 SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
 
@@ -155,7 +155,7 @@ def main() -> None:
             for name, fn in runs.items():
                 times[name].append(timed(fn, device, iters[name]))
 
-    base = "float32 moembed Linear (packed)" if device.type == "cpu" and packing_pays() else "float32 F.linear"
+    base = "float32 moembed Linear (packed)" if device.type == "cpu" and fastpath_enabled() else "float32 F.linear"
     med = {name: statistics.median(t) for name, t in times.items()}
     rows = [{"variant": name, "ms": 1e3 * s, "gflops": flops(args.tokens) / s / 1e9, "vs_float32": med[base] / s}
             for name, s in med.items()]

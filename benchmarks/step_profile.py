@@ -134,17 +134,16 @@ def profile_kind(qs, kind: str, steps: int, work: Path, top: int) -> dict:
     main_thread = statistics.mode(e.thread for e in prof.events() if e.device_type == DeviceType.CPU)
     by_kind: dict[str, float] = {}
     by_op: dict[tuple[str, str], float] = {}
-    flops = mm_time = 0.0
+    flops = 0.0
     for e in prof.events():
         if e.thread != main_thread or e.device_type != DeviceType.CPU:  # a GPU kernel's time is its caller's
             continue
-        k = kind_of(e)
-        by_kind[k] = by_kind.get(k, 0.0) + own(e) / 1e6
-        by_op[k, e.name] = by_op.get((k, e.name), 0.0) + own(e) / 1e6
-        if k == "matmul":
-            mm_time += own(e) / 1e6
+        k, seconds = kind_of(e), own(e) / 1e6
+        by_kind[k] = by_kind.get(k, 0.0) + seconds
+        by_op[k, e.name] = by_op.get((k, e.name), 0.0) + seconds
         if e.name in FLOP_OPS:
             flops += e.flops or 0
+    mm_time = by_kind.get("matmul", 0.0)
     step_wall = sum(wall) / n
     ops = sum(by_kind.values()) / n
     shares = {k: round(v / n / step_wall, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
