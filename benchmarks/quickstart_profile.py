@@ -15,11 +15,12 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 
-from moembed.heap import configure_process
+from moembed.heap import configure_process, start_on_mimalloc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--device", default=None, help="auto | cpu | cuda | mps (default: the recipe's, auto)")
     args = ap.parse_args()
+    start_on_mimalloc([__file__, *sys.argv[1:]])  # the command's allocator (MOEMBED_ALLOCATOR=system: glibc's)
     configure_process(training=True)  # the process settings `moembed quickstart` runs with, before torch loads
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
 

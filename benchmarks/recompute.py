@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moembed.heap import configure_process  # noqa: E402
+from moembed.heap import configure_process, start_on_mimalloc  # noqa: E402
 from quickstart_profile import RssSampler  # noqa: E402
 
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="auto | cpu | cuda | mps (default: the recipe's, auto)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    start_on_mimalloc([__file__, *sys.argv[1:]])  # the command's allocator (MOEMBED_ALLOCATOR=system: glibc's)
     configure_process(training=True)  # the settings `moembed quickstart` trains with, before torch loads
 
     import torch

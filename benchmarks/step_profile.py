@@ -4,7 +4,7 @@ CPU's own float32 matmul rate.
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py --work /tmp/qs-wp --steps 12 [--kind both] [--device cuda]
 
 Builds the quickstart's data, curated pools and starting models in `--work` once (shared with recompute.py and
-wait_policy.py), then trains the dense and/or MoE model as `moembed quickstart` does, with the command's process
+training_settings.py), then trains the dense and/or MoE model as `moembed quickstart` does, with the command's process
 settings (moembed.heap). Steps 1-2 run unprofiled (probes, first allocations); steps 3..N run under torch.profiler.
 Every operator's own time (on a CPU its time on the training thread, inside which a matmul's worker threads work;
 on a GPU its kernels' time on the device) goes to the first kind of work that names it or one of its callers: the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moembed.heap import configure_process  # noqa: E402
+from moembed.heap import configure_process, start_on_mimalloc  # noqa: E402
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm")
 FLOP_OPS = ("aten::mm", "aten::addmm", "aten::bmm")  # the profiler counts these; _grouped_mm's run as aten::mm
@@ -175,6 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 3:
         ap.error("--steps: at least 3 (two unprofiled, then one or more profiled)")
+    start_on_mimalloc([__file__, *sys.argv[1:]])  # the command's allocator (MOEMBED_ALLOCATOR=system: glibc's)
     configure_process(training=True)  # the settings `moembed quickstart` trains with, before torch loads
 
     import moembed.distributed as dist

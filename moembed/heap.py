@@ -32,19 +32,35 @@ memory. PyTorch reads it at its first allocation, so the command sets it before 
 A training process also sets OMP_WAIT_POLICY=PASSIVE: OpenMP's worker threads then sleep at the end of a parallel
 region instead of spinning for it. Between a training step's matmuls the main thread runs autograd, the optimizer
 and the loss alone, and spinning workers burned that time as CPU: the quickstart's finetuning (20 steps, 2 threads,
-AVX2 EPYC, 9 pairs of fresh runs, dense and MoE; benchmarks/wait_policy.py) took 0.87x the CPU time with it (median;
-never more), at 0.98x the wall time (0.88-1.14x). Encoding, whose regions are long matmuls back to back, showed no
-gain, so inference commands keep OpenMP's default. OpenMP reads the policy when torch loads it, so the command sets
-it before importing torch.
+AVX2 EPYC, 9 pairs of fresh runs, dense and MoE; benchmarks/training_settings.py) took 0.87x the CPU time with it
+(median; never more), at 0.98x the wall time (0.88-1.14x). Encoding, whose regions are long matmuls back to back,
+showed no gain, so inference commands keep OpenMP's default. OpenMP reads the policy when torch loads it, so the
+command sets it before importing torch.
 
     process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);
                           training: OMP_WAIT_POLICY = PASSIVE
     configure_process()   set those the user has not, as the `moembed` command does on start
+
+Training commands run on mimalloc (Leijen et al. 2019), not glibc's malloc. With the threshold fixed, every
+activation buffer of every step is fresh memory from the kernel, faulted in and zeroed, then unmapped on free: the
+quickstart spent 12% of its CPU time in the kernel (38 million page faults). mimalloc keeps freed pages for reuse
+and returns them to the system after a short delay, so a step reuses the last one's memory and the resident size
+still follows what the step needs. The `moembed` command starts itself again with the library that the
+cmeel-mimalloc package installs preloaded (a process's allocator is chosen when it starts), as PyTorch's own CPU
+launcher does for jemalloc; MOEMBED_ALLOCATOR=system or a user's own LD_PRELOAD keeps it as it is. The quickstart's
+finetuning (2 threads, AVX2 EPYC, 6 pairs of fresh runs) took 0.97x the CPU time at the same peak, with half the
+page faults (BENCHMARKS.md, "Training on mimalloc").
+
+    mimalloc_library()    the installed library's path, or None
+    allocator()           the allocator this process runs on: "mimalloc" or "system"
+    preload_environment() the environment to start a training command again with, or None to run it as it is
+    start_on_mimalloc()   start this process again that way (returns only where it runs as it is)
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
 import sys
 from collections.abc import Iterator
@@ -54,6 +70,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 THRESHOLD = 1 << 20  # bytes: tensors of a few thousand floats and more are mmapped and returned on free
 CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own rule stops raising the threshold
 PRIMITIVE_CACHE = 64  # oneDNN primitives kept: a batch's worth of expert and dense matmul shapes
+ALLOCATOR = "MOEMBED_ALLOCATOR"  # "system": training commands keep the C library's malloc
 
 
 def _glibc():
@@ -68,10 +85,63 @@ def _glibc():
     return libc
 
 
+def mimalloc_library() -> str | None:
+    """Path of the mimalloc shared library the cmeel-mimalloc package installs (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        dist = importlib.metadata.distribution("cmeel-mimalloc")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = sorted(str(dist.locate_file(f)) for f in dist.files or () if f.name.startswith("libmimalloc.so"))
+    return next((p for p in found if os.path.exists(p)), None)
+
+
+class _DlInfo(ctypes.Structure):  # <dlfcn.h> Dl_info
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def allocator() -> str:
+    """The allocator this process runs on: "mimalloc" when the process's `malloc` is mimalloc's (preloaded), else
+    "system". Asks the dynamic linker which library `malloc` resolves to: a mimalloc that is merely loaded by
+    some library does not count."""
+    try:
+        process = ctypes.CDLL(None)
+        info = _DlInfo()
+        if not process.dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)):
+            return "system"
+    except (OSError, AttributeError):  # no dladdr in this C library
+        return "system"
+    return "mimalloc" if b"mimalloc" in (info.dli_fname or b"") else "system"
+
+
+def preload_environment(training: bool, environ: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The environment to start a `training` command again with, on mimalloc; None where the process runs as it
+    is: not a training command, no mimalloc installed (or not Linux), MOEMBED_ALLOCATOR=system, or LD_PRELOAD
+    already set — by the user, or by the start that led here (so a failed preload never loops)."""
+    env = dict(os.environ if environ is None else environ)
+    if not training or env.get(ALLOCATOR, "").lower() == "system" or env.get("LD_PRELOAD"):
+        return None
+    library = mimalloc_library()
+    if library is None:
+        return None
+    return {**env, "LD_PRELOAD": library, ALLOCATOR: "mimalloc"}
+
+
+def start_on_mimalloc(argv: list[str], training: bool = True) -> None:
+    """Replace this process with `python *argv` on mimalloc, where `preload_environment` gives an environment;
+    otherwise return. Call it first thing, before anything worth keeping is done."""
+    env = preload_environment(training)
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *argv], env)
+
+
 def bound_heap_growth(threshold: int = THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at `threshold` bytes for this process (which also stops glibc from raising it).
-    Returns whether it was set; the user's own MALLOC_MMAP_THRESHOLD_ is left alone."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    Returns whether it was set; the user's own MALLOC_MMAP_THRESHOLD_ is left alone, and on mimalloc glibc's
+    malloc is not the one in use."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or allocator() == "mimalloc":
         return False
     libc = _glibc()
     return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, threshold))
@@ -79,7 +149,11 @@ def bound_heap_growth(threshold: int = THRESHOLD) -> bool:
 
 def release_free_heap() -> bool:
     """Return the free pages of every malloc arena to the system; whether any were. What one stage freed (a
-    teacher's embeddings, a model) otherwise stays resident under the next stage's peak."""
+    teacher's embeddings, a model) otherwise stays resident under the next stage's peak. On mimalloc: its
+    collection, which returns what it holds free at once instead of after its delay."""
+    if allocator() == "mimalloc":
+        ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))
+        return True
     libc = _glibc()
     return bool(libc is not None and libc.malloc_trim(0))
 

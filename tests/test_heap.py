@@ -155,3 +155,63 @@ def test_configure_process_sets_only_what_the_user_has_not(monkeypatch):
     assert made == {k: v for k, v in process_settings().items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     assert all(os.environ[k] == v for k, v in made.items())
     assert configure_process() == {}  # a second call finds everything set
+
+
+# Training commands run on mimalloc: `preload_environment` says when the command starts itself again with it.
+def test_mimalloc_is_installed_where_it_is_preloaded():
+    from moembed.heap import mimalloc_library
+
+    lib = mimalloc_library()
+    assert (lib is not None and os.path.exists(lib)) == sys.platform.startswith("linux")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mimalloc is preloaded on Linux only")
+@pytest.mark.parametrize("training, user, preloaded", [
+    (True, {}, True),
+    (False, {}, False),  # inference keeps the system allocator
+    (True, {"MOEMBED_ALLOCATOR": "system"}, False),
+    (True, {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, False),  # the user's own preload is kept
+])
+def test_preload_environment(training, user, preloaded):
+    from moembed.heap import mimalloc_library, preload_environment
+
+    env = preload_environment(training, {"PATH": "/bin", **user})
+    if not preloaded:
+        assert env is None
+        return
+    assert env == {"PATH": "/bin", "LD_PRELOAD": mimalloc_library(), "MOEMBED_ALLOCATOR": "mimalloc"}
+    assert preload_environment(training, env) is None  # the restarted process runs as it is
+
+
+# Under mimalloc the glibc threshold is left alone (glibc's malloc is not in use) and releasing the free heap is
+# mimalloc's own collection: the resident size falls once freed blocks are collected.
+ON_MIMALLOC = r"""
+import ctypes, json, os
+from moembed.heap import allocator, bound_heap_growth, release_free_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * page / 2**20
+blocks = [libc.malloc(64 << 10) for _ in range(1024)]
+for b in blocks:
+    ctypes.memset(b, 1, 64 << 10)
+for b in blocks:
+    libc.free(b)
+before = rss()
+released = release_free_heap()
+print(json.dumps({"allocator": allocator(), "fixed": bound_heap_growth(), "released": released,
+                  "freed_mib": before - rss()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mimalloc is preloaded on Linux only")
+def test_heap_calls_on_mimalloc():
+    from moembed.heap import mimalloc_library
+
+    out = probe("mimalloc", {**os.environ, "LD_PRELOAD": mimalloc_library()}, code=ON_MIMALLOC)
+    assert out["allocator"] == "mimalloc" and out["fixed"] is False and out["released"]
+    assert out["freed_mib"] > 48
+    assert probe("system", code=ON_MIMALLOC)["allocator"] == "system"

@@ -103,6 +103,23 @@ def test_bad_config_refused_before_any_work(tmp_path, minilm_path, monkeypatch, 
     assert not out.exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mimalloc is preloaded on Linux only")
+@pytest.mark.parametrize("setting, expected", [(None, "mimalloc"), ("system", "system")])
+def test_the_train_command_runs_on_mimalloc(tmp_path, minilm_path, pairs_file, setting, expected):
+    # The installed command's entry point (`run`): the training process starts itself again with mimalloc
+    # preloaded, and the run says which allocator it got (read from the process's own memory map);
+    # MOEMBED_ALLOCATOR=system keeps the C library's.
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MOEMBED_ALLOCATOR")}
+    if setting:
+        env["MOEMBED_ALLOCATOR"] = setting
+    cmd = [sys.executable, "-c", "from moembed.cli.main import run; run()", "train", str(TINY / "contrastive.yaml"),
+           *_overrides(minilm_path, tmp_path / "run", pairs_file[0]), "steps=1", "--quiet"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"memory allocator: {expected}" in proc.stderr
+    assert (tmp_path / "run" / "model").is_dir()
+
+
 # ---- schedules ------------------------------------------------------------------------------------------------
 
 

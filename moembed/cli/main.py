@@ -10,7 +10,7 @@ import sys
 import typer
 
 from moembed.errors import MoembedError
-from moembed.heap import configure_process
+from moembed.heap import configure_process, start_on_mimalloc
 
 # One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
 COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
@@ -27,14 +27,25 @@ for _name in COMMANDS:
     importlib.import_module(f"moembed.cli.{_name}").register(app)
 
 
+def _command() -> str | None:
+    return next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+
+
+def run() -> None:
+    """The installed `moembed` command: a training command starts itself again on mimalloc (moembed.heap; the
+    allocator of a process is fixed when it starts), then `main`."""
+    start_on_mimalloc(["-m", "moembed.cli.main", *sys.argv[1:]], training=_command() in TRAINING)
+    main()
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    command = _command()
     configure_process(training=command in TRAINING)  # before torch loads: torch, oneDNN and OpenMP read these once
     logging.basicConfig(level=logging.INFO, format="moembed: %(message)s", stream=sys.stderr)
     try:
-        app()
+        app(prog_name="moembed")
     except MoembedError as e:
         print(f"moembed: error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -44,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run()

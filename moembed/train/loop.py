@@ -31,7 +31,7 @@ from moembed.data.sources import SourceStats
 from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
-from moembed.heap import bounded_heap
+from moembed.heap import allocator, bounded_heap
 from moembed.model.recompute import set_recompute
 from moembed.train.build import build_model, check_paths
 from moembed.train.checkpoint import CheckpointManager, rng_state
@@ -239,6 +239,7 @@ def _train(cfg: TrainConfig, progress: bool, resume: bool) -> Path:
     if t.main:
         t.out.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, t.out)
+        log.info("memory allocator: %s", allocator())  # mimalloc under the `moembed` command (moembed.heap)
     metrics = Metrics(t.out / "metrics.jsonl", start if start is not None else 0, t.main)
     bar = tqdm(total=cfg.steps, initial=t.step, desc=cfg.stage, unit="step", disable=not t.progress)
     rate = None
