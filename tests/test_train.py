@@ -107,7 +107,7 @@ def test_bad_config_refused_before_any_work(tmp_path, minilm_path, monkeypatch, 
 @pytest.mark.parametrize("setting, expected", [(None, "mimalloc"), ("system", "system")])
 def test_the_train_command_runs_on_mimalloc(tmp_path, minilm_path, pairs_file, setting, expected):
     # The installed command's entry point (`run`): the training process starts itself again with mimalloc
-    # preloaded, and the run says which allocator it got (read from the process's own memory map);
+    # preloaded, and the run says which allocator it got (the library its `malloc` resolves to);
     # MOEMBED_ALLOCATOR=system keeps the C library's.
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MOEMBED_ALLOCATOR")}
     if setting:
