@@ -10,7 +10,8 @@ for `--tokens` packed tokens, so an encode ratio can be read against the ceiling
 - float32 `Linear` on oneDNN-packed weights (moembed's inference path where `packing_pays`, AVX-512 CPUs);
 - float32 `F.linear` (the BLAS with the weight in its stored layout; moembed's inference path elsewhere);
   whichever of the two is moembed's default on this CPU is the baseline of every ratio;
-- bf16 `F.linear` on bf16 weights and inputs (what bf16 autocast runs);
+- bf16 `F.linear` on bf16 weights and inputs (the matmul bf16 autocast runs);
+- bf16 `Linear` under autocast on oneDNN-packed bf16 weights (moembed's bf16 inference path where bf16 is native);
 - int8 GEMM alone (CPU: fbgemm's kernel on inputs quantised beforehand; GPU: `torch._int_mm`);
 - int8 `Linear` (moembed's `--dtype int8` path: per-row dynamic quantisation, the GEMM, rescaling, outliers).
 
@@ -35,7 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision import cpu_flags  # noqa: E402
 
-from moembed.model.linear import Linear, fastpath, fastpath_enabled, int8_available  # noqa: E402
+from moembed.model.linear import (  # noqa: E402
+    Linear,
+    bf16_packing_enabled,
+    fastpath,
+    fastpath_enabled,
+    int8_available,
+)
 
 SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
 
@@ -116,6 +123,15 @@ def variants(tokens: int, device: torch.device) -> dict:
                     assert layer.last_path == "packed", layer.last_path  # the path measured is the one named
 
         out["float32 moembed Linear (packed)"] = packed_layers
+        if bf16_packing_enabled():  # native bf16 only: where it is emulated, autocast's plain call is kept
+
+            def packed_bf16_layers():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    for layer, (k, _) in zip(layers, SHAPES):
+                        layer(xs[k])
+                        assert layer.last_path == "packed-bf16", layer.last_path
+
+            out["bf16 moembed Linear (packed, autocast)"] = packed_bf16_layers
         if int8_available():
             int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
             int8_model.load_state_dict(model.state_dict())
@@ -160,9 +176,9 @@ def main() -> None:
     rows = [{"variant": name, "ms": 1e3 * s, "gflops": flops(args.tokens) / s / 1e9, "vs_float32": med[base] / s}
             for name, s in med.items()]
     print(f"\none encoder layer's linear layers, {args.tokens} tokens, median of {args.repeats}:")
-    print(f"{'variant':<36} {'ms':>8} {'GFLOP/s':>9} {'x ' + base:>10}")
+    print(f"{'variant':<40} {'ms':>8} {'GFLOP/s':>9} {'x ' + base:>10}")
     for r in rows:
-        print(f"{r['variant']:<36} {r['ms']:8.2f} {r['gflops']:9.1f} {r['vs_float32']:9.2f}x")
+        print(f"{r['variant']:<40} {r['ms']:8.2f} {r['gflops']:9.1f} {r['vs_float32']:9.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"tokens": args.tokens, "baseline": base, "rows": rows,
                                          "cpu": cpu}, indent=1))

@@ -17,6 +17,13 @@ Three controls put the MoE figures in context:
   routing and dispatch overhead at equal compute.
 - st-dense: the dense model as sentence-transformers runs it (padded batches, Hugging Face BERT), on the same
   token batches: the dense baseline users know.
+
+A training step is the one `moembed train` takes: the optimizer of `moembed.train.optim` (AdamW, fused where torch
+has the kernel; torch's default multi-tensor AdamW charged the MoE's 4x expert parameters several passes over
+their state each step) in the process settings the command trains with (`moembed.heap`: mimalloc, huge pages for
+large buffers, idle OpenMP workers asleep; MOEMBED_ALLOCATOR=system keeps glibc's malloc). Encoding runs in the same
+process; `moembed encode` keeps glibc and OpenMP's default wait policy, which measured the same for encoding
+(BENCHMARKS.md, "MoE dispatch against its FLOP floor").
 """
 
 from __future__ import annotations
@@ -28,8 +35,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from moembed.heap import configure_process, start_on_mimalloc
+
+if __name__ == "__main__":  # before torch loads: the allocator is chosen at start, OpenMP reads its policy on load
+    start_on_mimalloc([__file__, *sys.argv[1:]])
+    configure_process(training=True)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sentences import news_sentences  # noqa: E402
@@ -39,6 +52,8 @@ from moembed.model.convert.upcycle import upcycle  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
 from moembed.model.encoder import GeluMLP  # noqa: E402
 from moembed.model.moe import set_dispatch  # noqa: E402
+from moembed.train.config import OptimConfig  # noqa: E402
+from moembed.train.optim import build_optimizer  # noqa: E402
 
 VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-grouped", "moe-loop", "moe-naive", "moe-top1", "st-dense")
 
@@ -171,7 +186,8 @@ def main() -> None:
             m.tokenizer.set_max_length(256)  # as sentence-transformers' all-MiniLM-L6-v2 (max_seq_length 256)
 
     train = {v: [] for v in variants}
-    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-5) for v, m in models.items()}
+    optim = OptimConfig(lr=1e-5, schedule="constant")
+    opts = {v: build_optimizer(m.st if v == "st-dense" else m, optim, args.reps + 1)[0] for v, m in models.items()}
     for v in variants:  # warm-up step (allocations, optimizer state)
         models[v].train()
         train_step(models[v], opts[v], qb, db, args.bf16)

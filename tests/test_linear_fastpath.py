@@ -113,7 +113,7 @@ def test_no_grad_training_pass_does_not_pack():
     with torch.no_grad():
         lin(torch.randn(5, 16))
     assert lin.last_path == "plain"
-    assert "packed" not in lin.__dict__.get("_weight_cache", {})
+    assert not any(k.startswith("packed") for k in lin.__dict__.get("_weight_cache", {}))
 
 
 @packed_only
@@ -121,7 +121,7 @@ def test_a_used_model_deep_copies_without_its_packed_weights():
     lin = Linear(8, 8).eval()
     with torch.no_grad():
         lin(torch.randn(2, 8))
-    assert "packed" in lin.__dict__["_weight_cache"]
+    assert "packed-torch.float32" in lin.__dict__["_weight_cache"]
     twin = copy.deepcopy(lin)  # oneDNN's packed tensors cannot be copied: the cache is rebuilt instead
     assert not twin.__dict__["_weight_cache"] and torch.equal(twin.weight, lin.weight)
 
@@ -214,6 +214,57 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences):
 def test_int8_minilm_is_close_to_float32(minilm, sentences):
     q = quantize_int8(copy.deepcopy(minilm))
     assert (minilm.encode(sentences) * q.encode(sentences)).sum(1).min() >= 0.99
+
+
+# ---- bf16 ------------------------------------------------------------------------------------------------------
+
+
+bf16_native = pytest.mark.skipif(not linear.bf16_packing_enabled(),
+                                 reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
+
+
+@bf16_native
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_autocast_inference_runs_packed_bf16_weights(bias):
+    torch.manual_seed(0)
+    lin = Linear(64, 96, bias=bias).eval()
+    x = torch.randn(5, 7, 64)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = lin(x)
+        assert lin.last_path == "packed-bf16"
+        ref = F.linear(x, lin.weight, lin.bias)  # what autocast runs: weight and input cast to bf16 per call
+    assert fast.dtype == ref.dtype == torch.bfloat16 and fast.shape == ref.shape
+    # Both multiply the same bf16 operands with float32 accumulation; they differ by bf16 rounding of the output.
+    torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    with torch.no_grad():
+        lin.weight.mul_(-1.0)  # a weight update repacks
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(lin(x).float(), -ref.float() + 2 * (lin.bias.bfloat16().float() if bias else 0),
+                                       atol=3e-2, rtol=2e-2)
+
+
+@bf16_native
+def test_bf16_packing_only_at_inference(monkeypatch):
+    lin, x = Linear(16, 16), torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x)  # training mode, with gradient: autocast's own path, whose backward autograd knows
+        assert lin.last_path == "plain"
+        with torch.no_grad():
+            lin(x)  # GradCache's no-grad training pass: the weights change every step, packing would not pay
+            assert lin.last_path == "plain"
+            lin.eval()(x)
+            assert lin.last_path == "packed-bf16"
+            monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
+            lin(x)
+            assert lin.last_path == "plain"
+
+
+def test_bf16_packing_is_off_where_bf16_is_emulated(monkeypatch):
+    monkeypatch.setattr(linear, "_BF16_NATIVE", False)
+    lin = Linear(16, 16).eval()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(torch.randn(3, 16))
+    assert lin.last_path == "plain"
 
 
 def test_bf16_is_fast_follows_the_cpu_flags():

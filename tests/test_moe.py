@@ -15,7 +15,7 @@ from moembed.errors import MoembedError
 from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_fractions
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
-from moembed.model.linear import fastpath_enabled
+from moembed.model.linear import bf16_packing_enabled, fastpath_enabled
 from moembed.model.moe import MoEBlock, grouped_support, set_dispatch
 from moembed.model.convert.upcycle import upcycle
 from moembed.model.presets import nomic_v2_moe_base, tiny_config
@@ -145,6 +145,26 @@ def test_bf16_autocast_grouped_matches_loop():
         assert blk.last_dispatch == mode
     torch.testing.assert_close(outs["grouped"], outs["loop"], rtol=2e-2, atol=2e-2)
     assert outs["grouped"].abs().max() > 0
+
+
+@pytest.mark.skipif(not bf16_packing_enabled(), reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
+def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch():
+    torch.manual_seed(3)
+    blk = MoEBlock(block_config("gelu", True, num_experts=8)).eval()
+    with torch.no_grad():
+        blk.experts.fc1_bias.normal_()
+        blk.experts.fc2_bias.normal_()
+    x = torch.randn(45, 32)  # expert slices of a few rows each, padded to PACKED_ROW_MULTIPLE inside
+    with torch.inference_mode():
+        blk.dispatch_mode = "naive"
+        ref = blk(x)[0]  # float32 reference
+        blk.dispatch_mode = "auto"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = blk(x)[0]
+            assert blk.last_dispatch == "packed-bf16-loop"
+            alone = torch.cat([blk(x[i : i + 1])[0] for i in range(5)])
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(alone, got[:5], rtol=0, atol=1e-6)  # padding rows never reach a real row
 
 
 def test_grouped_dispatch_falls_back_on_unaligned_shapes():

@@ -15,7 +15,14 @@ data is needed), multiplies in integers and rescales to float32. It uses torch's
 (fbgemm: VNNI where the CPU has it, AVX2 otherwise) and runs at inference only; training and autograd always see the
 float32 weights, which are kept. Every linear layer and every expert of an MoE block take part.
 
-`last_path` on each layer records which of "plain", "packed" or "int8" its latest call took (tests assert it).
+**Packed bfloat16.** Under bf16 autocast at inference on a CPU with native bf16 matmuls (AVX-512 BF16, AMX), autocast
+would cast every weight to bf16 again on every call and run `addmm` on the stored layout; instead the weight is cast
+and packed for oneDNN once, cached per weight version like the float32 packing, and the bias is added in float32
+inside the kernel. Same rules: inference only, MOEMBED_NO_FASTPATH=1 turns it off. CPUs that emulate bf16 (AVX2
+only) keep autocast's plain call; `train.bf16: auto` and `--dtype bf16` are not meant for them.
+
+`last_path` on each layer records which of "plain", "packed", "packed-bf16" or "int8" its latest call took (tests
+assert it).
 """
 
 from __future__ import annotations
@@ -61,6 +68,20 @@ def fastpath_enabled() -> bool:
     0, wherever this torch build has the packed kernels."""
     switch = os.environ.get("MOEMBED_NO_FASTPATH", "")
     return _HAS_PACKED and (switch == "0" or (switch == "" and _PACKING_PAYS))
+
+
+def bf16_packing_enabled() -> bool:
+    """Whether bf16-autocast CPU inference uses packed bf16 weights: where bf16 matmuls are native (`bf16_is_fast`)
+    and this torch build has oneDNN's packed kernels, unless MOEMBED_NO_FASTPATH=1."""
+    return _HAS_PACKED and _BF16_NATIVE and os.environ.get("MOEMBED_NO_FASTPATH", "") != "1"
+
+
+def bf16_inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
+    """A CPU inference call under bfloat16 autocast: no gradient, module in eval mode."""
+    return (
+        x.device.type == "cpu" and not module.training and not torch.is_grad_enabled()
+        and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    )
 
 
 def inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
@@ -110,6 +131,9 @@ def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
     if flags.get("architecture", "x86_64") in ("x86_64", "x86"):
         return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+_BF16_NATIVE = bf16_is_fast("cpu")
 
 
 # ---- int8 kernels --------------------------------------------------------------------------------------------
@@ -267,9 +291,15 @@ class Linear(nn.Linear):
             if fastpath_enabled():
                 self.__dict__["last_path"] = "packed"
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+        elif bf16_inference_pass(self, x) and bf16_packing_enabled():
+            self.__dict__["last_path"] = "packed-bf16"
+            x = x.to(torch.bfloat16)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(torch.bfloat16), self.bias, "none", [], "")
         self.__dict__["last_path"] = "plain"
         return F.linear(x, self.weight, self.bias)
 
-    def _packed_weight(self) -> torch.Tensor:
-        key = (self.weight.data_ptr(), self.weight._version)
-        return cached(self, "packed", key, lambda: torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
+    def _packed_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in `dtype`, packed for oneDNN; cached until the weight changes."""
+        key = (self.weight.data_ptr(), self.weight._version, dtype)
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        return cached(self, f"packed-{dtype}", key, lambda: pack(self.weight.detach().to(dtype)))

@@ -35,13 +35,28 @@ import torch.nn.functional as F
 
 from moembed.model.activations import MLP_ACTIVATIONS
 from moembed.model.config import EncoderConfig
-from moembed.model.linear import cached, fastpath_enabled, inference_pass, int8_linear, int8_weights
+from moembed.model.linear import (
+    bf16_inference_pass,
+    bf16_packing_enabled,
+    cached,
+    fastpath_enabled,
+    inference_pass,
+    int8_linear,
+    int8_weights,
+)
 from moembed.model.recompute import then_recomputed
 
 Dispatch = Literal["auto", "grouped", "loop", "naive"]
 DISPATCH_MODES = ("auto", "grouped", "loop", "naive")
 
 log = logging.getLogger("moembed")
+
+# oneDNN makes (JIT-compiles) a primitive for every matmul shape it has not seen, ~0.4 ms each on an AVX-512 EPYC,
+# and an expert sees a new row count almost every batch. `packed_loop` pads each expert's rows to a multiple of
+# this, so that the shapes recur: an MoE block on 60 batches of random size took 0.60 s instead of 0.91 s in bf16
+# and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "MoE dispatch on AVX-512 BF16 / VNNI"), for at most 31
+# wasted rows per expert.
+PACKED_ROW_MULTIPLE = 32
 
 
 def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
@@ -185,35 +200,50 @@ class Experts(nn.Module):
         parts = torch.split(x, counts.tolist())
         return torch.cat([self.expert(e, p) for e, p in enumerate(parts) if p.shape[0]] or [x[:0]])
 
-    # CPU float32 inference: oneDNN-packed expert weights, as `moembed.model.linear.Linear` does for dense layers.
+    # CPU inference: oneDNN-packed expert weights, as `moembed.model.linear.Linear` does for dense layers — float32,
+    # or bf16 under bf16 autocast where bf16 matmuls are native (no per-pass cast, no generic grouped matmul).
 
-    def can_pack(self, x: torch.Tensor) -> bool:
-        """Whether `packed_loop` applies: float32 on CPU, no gradient, no autocast, not a training pass."""
-        return inference_pass(self, x) and self.fc1_weight.dtype == torch.float32 and fastpath_enabled()
+    def packed_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype `packed_loop` runs in for this call, or None where it does not apply: float32 on a CPU float32
+        inference pass with packing on; bf16 on a CPU inference pass under bf16 autocast where bf16 is native."""
+        if self.fc1_weight.dtype != torch.float32:
+            return None
+        if inference_pass(self, x) and fastpath_enabled():
+            return torch.float32
+        if bf16_inference_pass(self, x) and bf16_packing_enabled():
+            return torch.bfloat16
+        return None
+
+    def _packed(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = (dtype,) + tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        return cached(self, f"packed-{dtype}", key, lambda: [
+            (pack(self.fc1_weight[e].detach().to(dtype)), pack(self.fc2_weight[e].detach().to(dtype)))
+            for e in range(self.num_experts)
+        ])
+
+    def packed_loop(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`loop` on oneDNN-packed weights in `dtype` (see `packed_dtype`); float32 biases are added in the kernel.
+        Each expert's rows are padded to a multiple of `PACKED_ROW_MULTIPLE` (a row's result does not depend on its
+        neighbours, padding included)."""
+        lin, packed = torch.ops.mkldnn._linear_pointwise, self._packed(dtype)
+        out = []
+        for e, p in enumerate(torch.split(x.to(dtype), counts.tolist())):
+            n = p.shape[0]
+            if n:
+                w1, w2 = packed[e]
+                b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+                b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
+                pad = -n % PACKED_ROW_MULTIPLE  # zero rows, dropped from the output
+                if pad:
+                    p = F.pad(p, (0, 0, 0, pad))
+                out.append(lin(self.act(lin(p, w1, b1, "none", [], "")).contiguous(), w2, b2, "none", [], "")[:n])
+        return torch.cat(out or [x[:0].to(dtype)])
 
     def can_int8(self, x: torch.Tensor) -> bool:
         """Whether `int8_loop` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU
         float32 inference pass."""
         return self.int8 and inference_pass(self, x) and self.fc1_weight.dtype == torch.float32
-
-    def _packed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        key = tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        return cached(self, "packed", key, lambda: [
-            (pack(self.fc1_weight[e].detach()), pack(self.fc2_weight[e].detach())) for e in range(self.num_experts)
-        ])
-
-    def packed_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`loop` on oneDNN-packed weights (see `can_pack`)."""
-        lin, packed = torch.ops.mkldnn._linear_pointwise, self._packed()
-        out = []
-        for e, p in enumerate(torch.split(x, counts.tolist())):
-            if p.shape[0]:
-                w1, w2 = packed[e]
-                b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
-                b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
-                out.append(lin(self.act(lin(p, w1, b1, "none", [], "")).contiguous(), w2, b2, "none", [], ""))
-        return torch.cat(out or [x[:0]])
 
     def int8_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`loop` on int8 weights with per-row quantised activations (`moembed.model.linear.int8_linear`)."""
@@ -356,9 +386,13 @@ class MoEBlock(nn.Module):
         x, mode = d.tokens, self.dispatch_mode
         if mode != "naive" and self.experts.can_int8(x):
             return self._ran("int8-loop", "expert loop on int8 weights (cpu inference)", self.experts.int8_loop(x, d.counts))
-        if mode in ("auto", "loop") and self.experts.can_pack(x):
+        packed = self.experts.packed_dtype(x) if mode in ("auto", "loop") else None
+        if packed == torch.float32:
             return self._ran("packed-loop", "expert loop on oneDNN-packed weights (cpu float32 inference)",
-                             self.experts.packed_loop(x, d.counts))
+                             self.experts.packed_loop(x, d.counts, packed))
+        if packed == torch.bfloat16:
+            return self._ran("packed-bf16-loop", "expert loop on oneDNN-packed bf16 weights (cpu bf16 inference)",
+                             self.experts.packed_loop(x, d.counts, packed))
         if mode == "loop":
             return self._ran("loop", "expert loop (asked for)", self.experts.loop(x, d.counts))
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -384,7 +418,12 @@ class MoEBlock(nn.Module):
             inverse = torch.empty_like(d.source)
             inverse[d.source] = torch.arange(n * k, device=y.device)  # (N·k,) sorted row of each assignment
             y = y.index_select(0, inverse).view(n, k, -1)  # (N, k, d)
-            return (y * gates.to(y.dtype).unsqueeze(-1)).sum(1)  # (N, d)
+            g = gates.to(y.dtype).unsqueeze(-1)  # (N, k, 1)
+            # a multiply-add per choice: `(y * g).sum(1)` reduced over a strided axis at 5x the time in bf16
+            out = y[:, 0] * g[:, 0]
+            for j in range(1, k):
+                out = out.addcmul_(y[:, j], g[:, j])
+            return out  # (N, d)
         w = gates.flatten().index_select(0, d.source).to(y.dtype)  # (M,)
         return y.new_zeros(n, y.shape[-1]).index_add_(0, d.source // k, y * w[:, None])
 
