@@ -9,7 +9,8 @@ L2 normalisation as sentence-transformers), on the same real texts (`sentences.n
 length-sorted batches. Repeats interleave the variants; prints texts/s (median), process CPU seconds (median),
 the ratios, and the minimum row cosine of every variant against moembed float32. With --suite-dir, also the main
 score of each variant on the dev suite (built there if missing). Prints the CPU's vector extensions, since bf16 and
-int8 speed depends on them. int8 and onnxruntime are CPU-only; with --device cuda they are left out.
+int8 speed depends on them. Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
+int8 and onnxruntime are CPU-only; with --device cuda they are left out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+from moembed.heap import configure_process  # noqa: E402
+
+if __name__ == "__main__":  # before torch loads: the process settings `moembed encode` runs with
+    configure_process()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -396,9 +396,10 @@ def test_sweep_points_derived_from_one_full_encode_match_encode(make_tiny):
             if precision == "float32":
                 np.testing.assert_allclose(got, ref, atol=1e-6)
             elif precision in ("int8", "uint8"):  # a code may land on the other side of a bucket boundary: each
-                # dimension's calibration maximum (these texts) sits exactly on the top bucket's edge
+                # dimension's calibration minimum and maximum (these texts) sit exactly on the range's edges, so
+                # float32 rounding may move those two codes of a dimension by one, and no other
                 assert np.abs(got.astype(int) - ref.astype(int)).max() <= 1
-                assert (got == ref).mean() > 0.98
+                assert (got != ref).sum(0).max() <= 2
             else:
                 np.testing.assert_array_equal(got, ref)
     assert all(k["truncate_dim"] in (None, 32) and k["precision"] == "float32" for k in calls)  # only full encodes ran

@@ -62,6 +62,26 @@ def test_packed_equals_plain(shape):
 
 
 @packed_only
+def test_gelu_fused_into_the_packed_matmul_equals_gelu_after_it():
+    from moembed.model.encoder import GeluMLP
+
+    torch.manual_seed(0)
+    mlp = GeluMLP(32, 64).eval()
+    x = torch.randn(9, 32)
+    seen = []
+    mlp.fc1.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))  # hooks still see the input
+    with torch.inference_mode():
+        fused = mlp(x)
+    assert mlp.fc1.last_path == "packed" and seen == [x.shape]
+    ref = F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        plain = mlp.fc1.train()(x, gelu=True)  # the unpacked path applies the same exact GELU
+    assert mlp.fc1.last_path == "plain"
+    torch.testing.assert_close(plain, F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)))
+
+
+@packed_only
 def test_repacks_after_weight_update():
     lin = Linear(8, 8).eval()
     x = torch.randn(4, 8)

@@ -282,21 +282,27 @@ def quantize_int8(model: nn.Module, enabled: bool = True) -> nn.Module:
 class Linear(nn.Linear):
     int8 = False  # set per layer by `quantize_int8`
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """x W^T + b, or with `gelu` (a keyword, so that hooks see the same input) exact GELU of it. On the packed
+        paths GELU is the matmul's post-op, applied by oneDNN to each output block while it is in cache instead of
+        in a pass of its own over the (N, out) result."""
+        post = ("gelu", [], "none") if gelu else ("none", [], "")  # oneDNN's attr, scalars, algorithm ("none": erf)
         if inference_pass(self, x) and self.weight.dtype == torch.float32:
             if self.int8:
                 self.__dict__["last_path"] = "int8"
                 w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
-                return int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+                y = int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+                return F.gelu(y) if gelu else y
             if fastpath_enabled():
                 self.__dict__["last_path"] = "packed"
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, *post)
         elif bf16_inference_pass(self, x) and bf16_packing_enabled():
             self.__dict__["last_path"] = "packed-bf16"
             x = x.to(torch.bfloat16)
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(torch.bfloat16), self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(torch.bfloat16), self.bias, *post)
         self.__dict__["last_path"] = "plain"
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return F.gelu(y) if gelu else y
 
     def _packed_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in `dtype`, packed for oneDNN; cached until the weight changes."""

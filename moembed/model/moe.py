@@ -237,7 +237,11 @@ class Experts(nn.Module):
                 pad = -n % PACKED_ROW_MULTIPLE  # zero rows, dropped from the output
                 if pad:
                     p = F.pad(p, (0, 0, 0, pad))
-                out.append(lin(self.act(lin(p, w1, b1, "none", [], "")).contiguous(), w2, b2, "none", [], "")[:n])
+                if self.kind == "gelu":  # GELU as fc1's post-op (see `Linear.forward`)
+                    a = lin(p, w1, b1, "gelu", [], "none")
+                else:
+                    a = self.act(lin(p, w1, b1, "none", [], "")).contiguous()
+                out.append(lin(a, w2, b2, "none", [], "")[:n])
         return torch.cat(out or [x[:0].to(dtype)])
 
     def can_int8(self, x: torch.Tensor) -> bool:
