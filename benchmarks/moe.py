@@ -6,8 +6,11 @@ The MoE model is all-MiniLM-L6-v2 upcycled to 8 experts, top-2, on layers 2/4/6.
 the default dispatch ("auto": grouped in training; at fp32 CPU inference the packed-weight expert loop where packing
 pays, AVX-512 CPUs, else grouped); MoE with
 grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
-reference (a boolean mask per expert over all tokens). Repetitions are interleaved across variants so
-that load changes on a shared machine hit every variant alike; medians are reported.
+reference (a boolean mask per expert over all tokens); moe-unpadded: "auto" without padding each expert's rows to
+a multiple of 32 in the packed loop of inference (`moe.ROW_MULTIPLE`: oneDNN compiles a kernel per matmul shape). Repetitions
+are interleaved across variants so that load changes on a shared machine hit every variant alike; medians are
+reported. Training repeats one batch unless `--vary` draws a new one (new lengths, new expert loads) for each
+repetition, as real training does.
 
 Three controls put the MoE figures in context:
 - dense-wide: the dense model with the MLPs of layers 2/4/6 twice as wide (i = 3,072). It does exactly the
@@ -51,11 +54,12 @@ from moembed.losses.moe_aux import load_balancing_loss  # noqa: E402
 from moembed.model.convert.upcycle import upcycle  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
 from moembed.model.encoder import GeluMLP  # noqa: E402
-from moembed.model.moe import set_dispatch  # noqa: E402
+from moembed.model.moe import Experts, set_dispatch  # noqa: E402
 from moembed.train.config import OptimConfig  # noqa: E402
 from moembed.train.optim import build_optimizer  # noqa: E402
 
-VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-grouped", "moe-loop", "moe-naive", "moe-top1", "st-dense")
+VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-unpadded", "moe-grouped", "moe-loop", "moe-naive", "moe-top1",
+            "st-dense")
 
 
 def infonce(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
@@ -64,17 +68,18 @@ def infonce(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05) -> torc
     return F.cross_entropy(logits, torch.arange(q.shape[0], device=q.device))
 
 
-def make_batches(model: Embedder, texts: list[str], batch: int, seq: int, padded: bool = False):
-    """Query/document batches of at most `seq` tokens. Default: exactly `seq` tokens, no padding (two halves of
-    long real texts, truncated). `padded`: consecutive real texts of mixed length as query and document, so the
-    batches carry the padding a dense model that does not remove it computes on."""
+def make_batches(model: Embedder, texts: list[str], batch: int, seq: int, padded: bool = False, index: int = 0):
+    """Query/document batches of at most `seq` tokens, the `index`-th such batch of `texts`. Default: exactly `seq`
+    tokens, no padding (two halves of long real texts, truncated). `padded`: consecutive real texts of mixed length
+    as query and document, so the batches carry the padding a dense model that does not remove it computes on."""
     if padded:
-        q, d = texts[0 : 2 * batch : 2], texts[1 : 2 * batch : 2]
+        part = texts[2 * batch * index : 2 * batch * (index + 1)]
+        q, d = part[0::2], part[1::2]
     else:
         long = [t for t in texts if len(model.tokenizer.encode_ids([t])[0][0]) >= 2 * seq]
-        if len(long) < batch:
-            raise SystemExit(f"only {len(long)} texts have {2 * seq} tokens; need {batch}")
-        words = [t.split() for t in long[:batch]]
+        if len(long) < batch * (index + 1):
+            raise SystemExit(f"only {len(long)} texts have {2 * seq} tokens; need {batch * (index + 1)}")
+        words = [t.split() for t in long[batch * index : batch * (index + 1)]]
         q = [" ".join(w[: len(w) // 2]) for w in words]
         d = [" ".join(w[len(w) // 2 :]) for w in words]
     model.tokenizer.set_max_length(seq)
@@ -149,6 +154,11 @@ def _build(variant: str, dense: Embedder) -> Embedder:
     if variant == "moe-top1":
         return upcycle(dense, num_experts=8, top_k=1, every=2)
     m = upcycle(dense, num_experts=8, top_k=2, every=2)
+    if variant == "moe-unpadded":  # auto, experts' rows never padded (moe.ROW_MULTIPLE)
+        for blk in m.modules():
+            if isinstance(blk, Experts):
+                blk.row_multiple = 1
+        return m
     set_dispatch(m, variant.removeprefix("moe-"))
     return m
 
@@ -163,6 +173,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for training and encoding")
     ap.add_argument("--padded", action="store_true", help="training batches of mixed-length texts (with padding)")
+    ap.add_argument("--vary", action="store_true",
+                    help="a different training batch each repetition, as in real training (default: the same batch)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cpu", help="cpu | cuda (on cuda the ratios use wall time)")
     args = ap.parse_args()
@@ -179,8 +191,11 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     models = {v: build(v, dense, path, device) for v in variants}
-    qb, db = make_batches(copy.deepcopy(dense), news_sentences(5000, seed=1), args.batch, args.seq, args.padded)
-    qb, db = tuple(t.to(device) for t in qb), tuple(t.to(device) for t in db)
+    pool, tok = news_sentences(5000, seed=1), copy.deepcopy(dense)
+    n = args.reps + 1 if args.vary else 1
+    batches = [make_batches(tok, pool, args.batch, args.seq, args.padded, i) for i in range(n)]
+    batches = [tuple(tuple(t.to(device) for t in b) for b in pair) for pair in batches]  # [(qb, db), ...]
+    qb, db = batches[0]
     for m in models.values():
         if isinstance(m, Embedder):
             m.tokenizer.set_max_length(256)  # as sentence-transformers' all-MiniLM-L6-v2 (max_seq_length 256)
@@ -191,7 +206,8 @@ def main() -> None:
     for v in variants:  # warm-up step (allocations, optimizer state)
         models[v].train()
         train_step(models[v], opts[v], qb, db, args.bf16)
-    for _ in range(args.reps):
+    for r in range(args.reps):
+        qb, db = batches[(r + 1) % len(batches)]  # --vary: a new batch (new lengths and expert loads) each repetition
         for v in variants:
             train[v].append(timed(lambda v=v: train_step(models[v], opts[v], qb, db, args.bf16), device))
     paths = {v: dispatch_paths(m) for v, m in models.items()}
@@ -219,7 +235,8 @@ def main() -> None:
         rt = f"{med(train[v], i) / med(train['dense'], i):.2f}" if "dense" in train else "-"
         re_ = f"{med(enc[v], i) / med(enc['dense'], i):.2f}" if "dense" in enc else "-"
         print(f"{v:<12} {tw:9.3f} {tc:9.3f} {rt:>8} {ew:9.2f} {ec:9.2f} {re_:>8}  {paths.get(v, '')}")
-    for a, b in (("moe-naive", "moe-grouped"), ("moe-loop", "moe-grouped"), ("moe-naive", "moe-auto"),
+    for a, b in (("moe-unpadded", "moe-auto"), ("moe-naive", "moe-grouped"), ("moe-loop", "moe-grouped"),
+                 ("moe-naive", "moe-auto"),
                  ("moe-auto", "dense-wide"), ("moe-auto", "st-dense"), ("moe-top1", "dense")):
         if a in train and b in train:
             # Also the median of the per-repetition ratios: each pair ran back to back, under the same load.

@@ -154,7 +154,7 @@ def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch():
     with torch.no_grad():
         blk.experts.fc1_bias.normal_()
         blk.experts.fc2_bias.normal_()
-    x = torch.randn(45, 32)  # expert slices of a few rows each, padded to PACKED_ROW_MULTIPLE inside
+    x = torch.randn(45, 32)  # expert slices of a few rows each, padded to `row_multiple` inside
     with torch.inference_mode():
         blk.dispatch_mode = "naive"
         ref = blk(x)[0]  # float32 reference

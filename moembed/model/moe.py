@@ -52,11 +52,12 @@ DISPATCH_MODES = ("auto", "grouped", "loop", "naive")
 log = logging.getLogger("moembed")
 
 # oneDNN makes (JIT-compiles) a primitive for every matmul shape it has not seen, ~0.4 ms each on an AVX-512 EPYC,
-# and an expert sees a new row count almost every batch. `packed_loop` pads each expert's rows to a multiple of
-# this, so that the shapes recur: an MoE block on 60 batches of random size took 0.60 s instead of 0.91 s in bf16
-# and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "MoE dispatch on AVX-512 BF16 / VNNI"), for at most 31
-# wasted rows per expert.
-PACKED_ROW_MULTIPLE = 32
+# and an expert sees a new row count almost every batch. The packed expert loop of CPU inference pads each expert's
+# rows to a multiple of this, so that the shapes recur: an MoE block on 60 batches of random size took 0.60 s
+# instead of 0.91 s in bf16 and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "On an AVX-512 BF16 / VNNI
+# CPU"), for at most 31 wasted rows per expert. Padding bf16 grouped matmuls in training the same way gained
+# nothing (0.99x the step time with new batches every step), so training is not padded.
+ROW_MULTIPLE = 32
 
 
 def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
@@ -172,6 +173,7 @@ class Experts(nn.Module):
     """
 
     int8 = False  # set by `moembed.model.linear.quantize_int8`
+    row_multiple = ROW_MULTIPLE  # rows per expert padded to a multiple of this in `packed_loop` (1: never)
     recompute_act = False  # keep fc1's output, not the activation's, for backward (moembed.model.recompute)
 
     def __init__(self, num_experts: int, d: int, i: int, kind: str, bias: bool):
@@ -224,7 +226,7 @@ class Experts(nn.Module):
 
     def packed_loop(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`loop` on oneDNN-packed weights in `dtype` (see `packed_dtype`); float32 biases are added in the kernel.
-        Each expert's rows are padded to a multiple of `PACKED_ROW_MULTIPLE` (a row's result does not depend on its
+        Each expert's rows are padded to a multiple of `row_multiple` (a row's result does not depend on its
         neighbours, padding included)."""
         lin, packed = torch.ops.mkldnn._linear_pointwise, self._packed(dtype)
         out = []
@@ -234,7 +236,7 @@ class Experts(nn.Module):
                 w1, w2 = packed[e]
                 b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
                 b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
-                pad = -n % PACKED_ROW_MULTIPLE  # zero rows, dropped from the output
+                pad = -n % self.row_multiple  # zero rows, dropped from the output
                 if pad:
                     p = F.pad(p, (0, 0, 0, pad))
                 if self.kind == "gelu":  # GELU as fc1's post-op (see `Linear.forward`)
@@ -423,7 +425,7 @@ class MoEBlock(nn.Module):
             inverse[d.source] = torch.arange(n * k, device=y.device)  # (N·k,) sorted row of each assignment
             y = y.index_select(0, inverse).view(n, k, -1)  # (N, k, d)
             g = gates.to(y.dtype).unsqueeze(-1)  # (N, k, 1)
-            # a multiply-add per choice: `(y * g).sum(1)` reduced over a strided axis at 5x the time in bf16
+            # a multiply-add per choice: `(y * g).sum(1)`, a reduction over a strided axis, took 5% of a bf16 block
             out = y[:, 0] * g[:, 0]
             for j in range(1, k):
                 out = out.addcmul_(y[:, j], g[:, j])
