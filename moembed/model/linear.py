@@ -92,6 +92,29 @@ def inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
+def packed_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a layer with float32 weights runs this call in on oneDNN-packed weights, or None for the plain
+    path: float32 on a CPU float32 inference pass where packing is on (`fastpath_enabled`); bf16 on a CPU inference
+    pass under bf16 autocast where bf16 is native (`bf16_packing_enabled`)."""
+    if inference_pass(module, x) and fastpath_enabled():
+        return torch.float32
+    if bf16_inference_pass(module, x) and bf16_packing_enabled():
+        return torch.bfloat16
+    return None
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight (n, k) cast to `dtype` and re-laid out for oneDNN's linear kernels."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
+    """x (..., k) @ Wᵀ + b on a `pack`ed weight, in the weight's dtype (x is cast to it); with `gelu`, exact GELU as
+    the kernel's post-op, applied to each output block while it is in cache instead of in a pass of its own."""
+    post = ("gelu", [], "none") if gelu else ("none", [], "")  # oneDNN's attr, scalars, algorithm ("none": erf)
+    return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, *post)
+
+
 class WeightCache(dict):
     """Weights derived from a module's parameters (packed, cast, quantised), by name: {name: (key, value)}.
 
@@ -283,23 +306,18 @@ class Linear(nn.Linear):
     int8 = False  # set per layer by `quantize_int8`
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-        """x W^T + b, or with `gelu` (a keyword, so that hooks see the same input) exact GELU of it. On the packed
-        paths GELU is the matmul's post-op, applied by oneDNN to each output block while it is in cache instead of
-        in a pass of its own over the (N, out) result."""
-        post = ("gelu", [], "none") if gelu else ("none", [], "")  # oneDNN's attr, scalars, algorithm ("none": erf)
-        if inference_pass(self, x) and self.weight.dtype == torch.float32:
-            if self.int8:
+        """x Wᵀ + b, or with `gelu` (a keyword, so that hooks see the same input) exact GELU of it, fused into the
+        matmul on the packed paths (`packed_linear`)."""
+        if self.weight.dtype == torch.float32:
+            if self.int8 and inference_pass(self, x):
                 self.__dict__["last_path"] = "int8"
                 w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
                 y = int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
                 return F.gelu(y) if gelu else y
-            if fastpath_enabled():
-                self.__dict__["last_path"] = "packed"
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, *post)
-        elif bf16_inference_pass(self, x) and bf16_packing_enabled():
-            self.__dict__["last_path"] = "packed-bf16"
-            x = x.to(torch.bfloat16)
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(torch.bfloat16), self.bias, *post)
+            dtype = packed_dtype(self, x)
+            if dtype is not None:
+                self.__dict__["last_path"] = "packed" if dtype == torch.float32 else "packed-bf16"
+                return packed_linear(x, self._packed_weight(dtype), self.bias, gelu)
         self.__dict__["last_path"] = "plain"
         y = F.linear(x, self.weight, self.bias)
         return F.gelu(y) if gelu else y
@@ -307,5 +325,4 @@ class Linear(nn.Linear):
     def _packed_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in `dtype`, packed for oneDNN; cached until the weight changes."""
         key = (self.weight.data_ptr(), self.weight._version, dtype)
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        return cached(self, f"packed-{dtype}", key, lambda: pack(self.weight.detach().to(dtype)))
+        return cached(self, f"packed-{dtype}", key, lambda: pack(self.weight, dtype))

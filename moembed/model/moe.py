@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from moembed.model.activations import MLP_ACTIVATIONS
 from moembed.model.config import EncoderConfig
 from moembed.model.linear import (
-    bf16_inference_pass,
-    bf16_packing_enabled,
     cached,
-    fastpath_enabled,
     inference_pass,
     int8_linear,
     int8_weights,
+    pack,
+    packed_dtype,
+    packed_linear,
 )
 from moembed.model.recompute import then_recomputed
 
@@ -206,29 +206,20 @@ class Experts(nn.Module):
     # or bf16 under bf16 autocast where bf16 matmuls are native (no per-pass cast, no generic grouped matmul).
 
     def packed_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """The dtype `packed_loop` runs in for this call, or None where it does not apply: float32 on a CPU float32
-        inference pass with packing on; bf16 on a CPU inference pass under bf16 autocast where bf16 is native."""
-        if self.fc1_weight.dtype != torch.float32:
-            return None
-        if inference_pass(self, x) and fastpath_enabled():
-            return torch.float32
-        if bf16_inference_pass(self, x) and bf16_packing_enabled():
-            return torch.bfloat16
-        return None
+        """The dtype `packed_loop` runs in for this call (`linear.packed_dtype`), or None where it does not apply."""
+        return packed_dtype(self, x) if self.fc1_weight.dtype == torch.float32 else None
 
     def _packed(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         key = (dtype,) + tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
-        pack = torch.ops.mkldnn._reorder_linear_weight
         return cached(self, f"packed-{dtype}", key, lambda: [
-            (pack(self.fc1_weight[e].detach().to(dtype)), pack(self.fc2_weight[e].detach().to(dtype)))
-            for e in range(self.num_experts)
+            (pack(self.fc1_weight[e], dtype), pack(self.fc2_weight[e], dtype)) for e in range(self.num_experts)
         ])
 
     def packed_loop(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`loop` on oneDNN-packed weights in `dtype` (see `packed_dtype`); float32 biases are added in the kernel.
         Each expert's rows are padded to a multiple of `row_multiple` (a row's result does not depend on its
         neighbours, padding included)."""
-        lin, packed = torch.ops.mkldnn._linear_pointwise, self._packed(dtype)
+        packed, gelu = self._packed(dtype), self.kind == "gelu"  # GELU as fc1's post-op (`linear.packed_linear`)
         out = []
         for e, p in enumerate(torch.split(x.to(dtype), counts.tolist())):
             n = p.shape[0]
@@ -236,14 +227,11 @@ class Experts(nn.Module):
                 w1, w2 = packed[e]
                 b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
                 b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
-                pad = -n % self.row_multiple  # zero rows, dropped from the output
-                if pad:
-                    p = F.pad(p, (0, 0, 0, pad))
-                if self.kind == "gelu":  # GELU as fc1's post-op (see `Linear.forward`)
-                    a = lin(p, w1, b1, "gelu", [], "none")
-                else:
-                    a = self.act(lin(p, w1, b1, "none", [], "")).contiguous()
-                out.append(lin(a, w2, b2, "none", [], "")[:n])
+                if n % self.row_multiple:  # zero rows, dropped from the output
+                    p = F.pad(p, (0, 0, 0, -n % self.row_multiple))
+                h = packed_linear(p, w1, b1, gelu)
+                a = h if gelu else self.act(h).contiguous()
+                out.append(packed_linear(a, w2, b2)[:n])
         return torch.cat(out or [x[:0].to(dtype)])
 
     def can_int8(self, x: torch.Tensor) -> bool:
