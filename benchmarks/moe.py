@@ -7,7 +7,7 @@ the default dispatch ("auto": grouped in training; at fp32 CPU inference the pac
 pays, AVX-512 CPUs, else grouped); MoE with
 grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
 reference (a boolean mask per expert over all tokens); moe-unpadded: "auto" without padding each expert's rows to
-a multiple of 32 in the packed loop of inference (`moe.ROW_MULTIPLE`: oneDNN compiles a kernel per matmul shape). Repetitions
+a multiple of 32 in the packed loop of inference (`experts.ROW_MULTIPLE`: oneDNN compiles a kernel per matmul shape). Repetitions
 are interleaved across variants so that load changes on a shared machine hit every variant alike; medians are
 reported. Training repeats one batch unless `--vary` draws a new one (new lengths, new expert loads) for each
 repetition, as real training does.
@@ -54,7 +54,8 @@ from moembed.losses.moe_aux import load_balancing_loss  # noqa: E402
 from moembed.model.convert.upcycle import upcycle  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
 from moembed.model.encoder import GeluMLP  # noqa: E402
-from moembed.model.moe import Experts, set_dispatch  # noqa: E402
+from moembed.model.experts import Experts  # noqa: E402
+from moembed.model.moe import set_dispatch  # noqa: E402
 from moembed.train.config import OptimConfig  # noqa: E402
 from moembed.train.optim import build_optimizer  # noqa: E402
 
@@ -154,7 +155,7 @@ def _build(variant: str, dense: Embedder) -> Embedder:
     if variant == "moe-top1":
         return upcycle(dense, num_experts=8, top_k=1, every=2)
     m = upcycle(dense, num_experts=8, top_k=2, every=2)
-    if variant == "moe-unpadded":  # auto, experts' rows never padded (moe.ROW_MULTIPLE)
+    if variant == "moe-unpadded":  # auto, experts' rows never padded (experts.ROW_MULTIPLE)
         for blk in m.modules():
             if isinstance(blk, Experts):
                 blk.row_multiple = 1

@@ -16,7 +16,8 @@ from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_f
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
 from moembed.model.linear import bf16_packing_enabled, fastpath_enabled
-from moembed.model.moe import MoEBlock, grouped_support, set_dispatch
+from moembed.model.experts import grouped_support
+from moembed.model.moe import MoEBlock, set_dispatch
 from moembed.model.convert.upcycle import upcycle
 from moembed.model.presets import nomic_v2_moe_base, tiny_config
 from moembed.model.utilisation import format_report, from_output, probe, router_entropy

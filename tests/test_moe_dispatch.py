@@ -9,19 +9,21 @@ import logging
 import pytest
 import torch
 
+from moembed.model import experts as experts_mod
 from moembed.model import moe as moe_mod
 from moembed.model.config import MoEConfig
+from moembed.model.experts import GroupedSupport, cuda_grouped_kernel, grouped_support
+from moembed.model.moe import MoEBlock
 from moembed.model.presets import tiny_config
-from moembed.model.moe import GroupedSupport, MoEBlock, cuda_grouped_kernel, grouped_support
 
 
 @pytest.fixture
 def fresh_dispatch_state():
     """Forget the capability cache and the dispatch messages already logged, before and after the test."""
-    moe_mod._grouped_support.cache_clear()
+    experts_mod._grouped_support.cache_clear()
     moe_mod._ANNOUNCED.clear()
     yield
-    moe_mod._grouped_support.cache_clear()
+    experts_mod._grouped_support.cache_clear()
     moe_mod._ANNOUNCED.clear()
 
 

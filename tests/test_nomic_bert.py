@@ -255,7 +255,8 @@ def reference_forward(sd, cfg, ids, mask):
 
 @pytest.mark.parametrize("mode", ["auto", "loop", "naive", "grouped"])
 def test_published_moe_checkpoint_matches_reference_forward_and_backward(tmp_path, minilm_path, mode):
-    from moembed.model.moe import grouped_support, set_dispatch
+    from moembed.model.experts import grouped_support
+    from moembed.model.moe import set_dispatch
 
     if mode == "grouped" and not grouped_support(torch.device("cpu"), torch.float32).usable:
         pytest.skip("this torch has no usable torch._grouped_mm on the CPU")  # the other modes still run

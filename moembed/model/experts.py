@@ -1,0 +1,293 @@
+"""The experts of an MoE block: E MLPs with stacked weights, and the ways to run each on its slice of tokens.
+
+`Experts` holds fc1/fc2 weights (and biases) stacked on a leading E axis, each slice laid out as the dense MLP it
+was upcycled from. Given tokens already sorted by expert (`moembed.model.moe`'s `dispatch`) and the count per
+expert, it runs them:
+
+    loop          a Python loop over the E experts, each on its contiguous slice (any device, any dtype)
+    grouped       two grouped matmuls over all slices (`torch._grouped_mm`, a private API probed once per device
+                  and dtype by `grouped_support`); under autocast the weights are cast once per weight version
+    packed_loop   CPU inference: the loop on oneDNN-packed float32 or bf16 weights, GELU fused into fc1,
+                  rows padded to `ROW_MULTIPLE`
+    int8_loop     CPU inference after `linear.quantize_int8`: int8 weights, per-row quantised activations
+    padded        fixed-capacity (E, C, d) batched matmuls (`MoEConfig.capacity_factor`)
+
+Which one runs is the block's choice (`MoEBlock.compute`); every one gives the same result up to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moembed.model.activations import MLP_ACTIVATIONS
+from moembed.model.linear import (
+    cached,
+    inference_pass,
+    int8_linear,
+    int8_weights,
+    pack,
+    packed_dtype,
+    packed_linear,
+)
+from moembed.model.recompute import then_recomputed
+
+# oneDNN makes (JIT-compiles) a primitive for every matmul shape it has not seen, ~0.4 ms each on an AVX-512 EPYC,
+# and an expert sees a new row count almost every batch. The packed expert loop of CPU inference pads each expert's
+# rows to a multiple of this, so that the shapes recur: an MoE block on 60 batches of random size took 0.60 s
+# instead of 0.91 s in bf16 and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "On an AVX-512 BF16 / VNNI
+# CPU"), for at most 31 wasted rows per expert. Padding bf16 grouped matmuls in training the same way gained
+# nothing (0.99x the step time with new batches every step), so training is not padded.
+ROW_MULTIPLE = 32
+
+
+def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` accepts these operands' layout: strides that are multiples of 16 bytes (except
+    unit strides) and 16-byte-aligned storage."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(s != 1 and (s * size) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class GroupedSupport:
+    """What `torch._grouped_mm` (a private API) offers for one device and dtype, checked once per process."""
+
+    usable: bool  # it runs, forward and backward
+    preferred: bool  # and `auto` should pick it over the expert loop
+    detail: str  # what was found, for the log
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_support(device_type: str, index: int | None, dtype: torch.dtype) -> GroupedSupport:
+    where = f"{device_type} {str(dtype).removeprefix('torch.')}, torch {torch.__version__}"
+    if not hasattr(torch, "_grouped_mm"):
+        return GroupedSupport(False, False, f"this torch has no torch._grouped_mm ({where})")
+    if device_type not in ("cpu", "cuda") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return GroupedSupport(False, False, f"torch._grouped_mm has no kernel for {where}")
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    # A tiny forward and backward: older releases raise on some devices and dtypes. Outside inference mode and
+    # autocast whatever the caller's context, or the first call (often under an encode's inference_mode) would
+    # cache "unusable" for the whole process. No random numbers: the probe runs at the first MoE pass, and drawing
+    # from the global generator there would shift a training run's dropout masks (and break an exact resume).
+    try:
+        with torch.inference_mode(False), torch.autocast(device_type, enabled=False), torch.enable_grad():
+            a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 16, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+            y = torch._grouped_mm(a, b, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
+            torch.autograd.grad(y, (a, b), torch.ones_like(y))  # a dense gradient: an expanded one is refused
+    except Exception as e:  # noqa: BLE001 - any failure means "use the loop", never an error for the user
+        return GroupedSupport(False, False, f"torch._grouped_mm failed on {where}: {str(e).splitlines()[0]}")
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        fast = cuda_grouped_kernel((major, minor), dtype)
+        return GroupedSupport(True, fast, f"{where}, sm_{major}{minor}" + ("" if fast else ": no grouped kernel"))
+    return GroupedSupport(True, True, where)
+
+
+def cuda_grouped_kernel(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether torch runs `_grouped_mm` as one grouped kernel on a GPU of this compute capability: CUTLASS, for
+    bfloat16 on sm_90 and sm_100 only (torch's GroupedBlas). Elsewhere it loops over the groups itself after a
+    device-to-host copy of the offsets — no better than the expert loop, which `auto` then takes."""
+    return dtype == torch.bfloat16 and capability[0] in (9, 10)
+
+
+def grouped_support(device: torch.device, dtype: torch.dtype) -> GroupedSupport:
+    """`torch._grouped_mm`'s support for a device and dtype; probed on first use, then cached."""
+    return _grouped_support(device.type, device.index, dtype)
+
+
+class _CastOnce(torch.autograd.Function):
+    """Identity onto a cast made earlier: forward returns `cast[0]` (= w.to(dtype)), backward the gradient cast back
+    to w's dtype, as the backward of `w.to(dtype)`. Lets a cached cast enter the graph of each pass."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, cast: tuple[torch.Tensor]) -> torch.Tensor:
+        ctx.dtype = w.dtype
+        return cast[0].detach()  # a new tensor object on the cached storage: the graph never touches the cache
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+class _SegmentBias(torch.autograd.Function):
+    """In place, h[rows of expert e] += bias[e] for consecutive slices of `sizes` rows: h (M, n), bias (E, n).
+
+    Adds each expert's bias to its own slice instead of materialising an (M, n) tensor of repeated bias rows (and
+    the new (M, n) sum) as `h + bias.repeat_interleave(counts)` would; the bias gradient is the per-slice row sum."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, bias: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        ctx.sizes = sizes
+        for part, b in zip(torch.split(h, sizes), bias):
+            if part.shape[0]:
+                part.add_(b)
+        ctx.mark_dirty(h)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = torch.split(grad, ctx.sizes)
+        bias_grad = torch.stack([p.sum(0, dtype=torch.float32) for p in parts])  # (E, n), summed in float32
+        return grad, bias_grad.to(grad.dtype), None
+
+
+class Experts(nn.Module):
+    """E MLPs of one kind (GELU or SwiGLU, as the dense MLP they replace), weights stacked on a leading E axis.
+
+    fc1_weight (E, r, d) with r = i (GELU) or 2i (SwiGLU: rows [:i] up, [i:] gate), fc2_weight (E, d, i),
+    optional biases fc1_bias (E, r), fc2_bias (E, d). Each slice [e] has the layout of the dense MLP's
+    `fc1.weight` / `fc2.weight`, so upcycling is a broadcast copy.
+    """
+
+    int8 = False  # set by `moembed.model.linear.quantize_int8`
+    row_multiple = ROW_MULTIPLE  # rows per expert padded to a multiple of this in `packed_loop` (1: never)
+    recompute_act = False  # keep fc1's output, not the activation's, for backward (moembed.model.recompute)
+
+    def __init__(self, num_experts: int, d: int, i: int, kind: str, bias: bool):
+        super().__init__()
+        self.kind, self.num_experts = kind, num_experts
+        r = 2 * i if kind == "swiglu" else i
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, r, d))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, d, i))
+        self.fc1_bias = nn.Parameter(torch.zeros(num_experts, r)) if bias else None
+        self.fc2_bias = nn.Parameter(torch.zeros(num_experts, d)) if bias else None
+        nn.init.normal_(self.fc1_weight, std=0.02)  # as Encoder._init_weights for nn.Linear
+        nn.init.normal_(self.fc2_weight, std=0.02)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        return MLP_ACTIVATIONS[self.kind](h)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on tokens x (n, d) → (n, d)."""
+        b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+        b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
+        h = F.linear(x, self.fc1_weight[e], b1)
+        return then_recomputed(self.act, h, lambda a: F.linear(a, self.fc2_weight[e], b2), self.recompute_act)
+
+    def loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, d) sorted by expert with counts (E,) → (M, d): a loop over experts on contiguous slices."""
+        parts = torch.split(x, counts.tolist())
+        return torch.cat([self.expert(e, p) for e, p in enumerate(parts) if p.shape[0]] or [x[:0]])
+
+    # CPU inference: oneDNN-packed expert weights, as `moembed.model.linear.Linear` does for dense layers — float32,
+    # or bf16 under bf16 autocast where bf16 matmuls are native (no per-pass cast, no generic grouped matmul).
+
+    def packed_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype `packed_loop` runs in for this call (`linear.packed_dtype`), or None where it does not apply."""
+        return packed_dtype(self, x) if self.fc1_weight.dtype == torch.float32 else None
+
+    def _packed(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = (dtype,) + tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
+        return cached(self, f"packed-{dtype}", key, lambda: [
+            (pack(self.fc1_weight[e], dtype), pack(self.fc2_weight[e], dtype)) for e in range(self.num_experts)
+        ])
+
+    def packed_loop(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`loop` on oneDNN-packed weights in `dtype` (see `packed_dtype`); float32 biases are added in the kernel.
+        Each expert's rows are padded to a multiple of `row_multiple` (a row's result does not depend on its
+        neighbours, padding included)."""
+        packed, gelu = self._packed(dtype), self.kind == "gelu"  # GELU as fc1's post-op (`linear.packed_linear`)
+        out = []
+        for e, p in enumerate(torch.split(x.to(dtype), counts.tolist())):
+            n = p.shape[0]
+            if n:
+                w1, w2 = packed[e]
+                b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+                b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
+                if n % self.row_multiple:  # zero rows, dropped from the output
+                    p = F.pad(p, (0, 0, 0, -n % self.row_multiple))
+                h = packed_linear(p, w1, b1, gelu)
+                a = h if gelu else self.act(h).contiguous()
+                out.append(packed_linear(a, w2, b2)[:n])
+        return torch.cat(out or [x[:0].to(dtype)])
+
+    def can_int8(self, x: torch.Tensor) -> bool:
+        """Whether `int8_loop` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU
+        float32 inference pass."""
+        return self.int8 and inference_pass(self, x) and self.fc1_weight.dtype == torch.float32
+
+    def int8_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`loop` on int8 weights with per-row quantised activations (`moembed.model.linear.int8_linear`)."""
+        b1 = self.fc1_bias if self.fc1_bias is not None else [None] * self.num_experts
+        b2 = self.fc2_bias if self.fc2_bias is not None else [None] * self.num_experts
+        pairs, amax = [], []
+        stats = self.__dict__.get("int8_amax") or (None, [None] * self.num_experts)
+        for e in range(self.num_experts):  # [fc1 of expert 0, fc2 of expert 0, fc1 of expert 1, ...]
+            pairs += [(self.fc1_weight[e], b1[e]), (self.fc2_weight[e], b2[e])]
+            amax += [stats[0], stats[1][e]]
+        w = int8_weights(self, pairs, amax)
+        out = [int8_linear(self.act(int8_linear(p, w[2 * e])), w[2 * e + 1])
+               for e, p in enumerate(torch.split(x, counts.tolist())) if p.shape[0]]
+        return torch.cat(out or [x[:0]])
+
+    @torch.no_grad()
+    def record_amax(self, x: torch.Tensor) -> None:
+        """Largest |input| per channel of every expert's two matmuls, over all tokens x (N, d) of a calibration
+        pass (each expert sees every token, so that each gets ranges): `int8_amax` = (fc1's (d,), [fc2's (i,)])."""
+        old = self.__dict__.get("int8_amax") or (None, [None] * self.num_experts)
+        fc1 = x.abs().amax(0).float() if old[0] is None else torch.maximum(x.abs().amax(0).float(), old[0])
+        fc2 = []
+        for e in range(self.num_experts):
+            b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+            a = self.act(F.linear(x, self.fc1_weight[e], b1)).abs().amax(0).float()
+            fc2.append(a if old[1][e] is None else torch.maximum(a, old[1][e]))
+        self.__dict__["int8_amax"] = (fc1, fc2)
+
+    # Grouped matmuls.
+
+    def _weights_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(fc1_weight, fc2_weight, fc1_bias, fc2_bias) in `dtype`, cast once per weight version.
+
+        Under autocast torch casts an nn.Linear weight once per autocast region and reuses it; `_grouped_mm` is not
+        on autocast's lists, so the experts cast by hand, and keep the cast until an optimizer step (or any in-place
+        update) bumps the weight's version. With gradient the cached copy enters the graph through `_CastOnce`,
+        whose backward is the cast's (the gradient back in the weight's dtype).
+        """
+        params = [self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias]
+        if dtype == self.fc1_weight.dtype:
+            return tuple(params)
+        # Inference tensors (a model built under inference_mode) have no version counter and never change. Casts
+        # made under inference_mode are inference tensors that autograd refuses: they are kept apart from the others.
+        key = (dtype, torch.is_inference_mode_enabled()) + tuple(
+            (w.data_ptr(), 0 if w.is_inference() else w._version) for w in params if w is not None)
+        casts = cached(self, "cast", key, lambda: [None if w is None else w.detach().to(dtype) for w in params])
+        if not torch.is_grad_enabled():
+            return tuple(casts)
+        return tuple(None if w is None else _CastOnce.apply(w, (c,)) for w, c in zip(params, casts))
+
+    def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Same as `loop` with two grouped matmuls (torch._grouped_mm) in `dtype`; None when the operands' layout
+        does not suit the kernel (strides must be multiples of 16 bytes), so that the caller takes the loop."""
+        w1, w2, b1, b2 = self._weights_as(dtype)
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)  # (E, d, r), (E, i, d)
+        xc = x.to(dtype)
+        if not grouped_mm_aligned(xc, w1, w2):  # w2's strides cover act(h)'s
+            return None
+        offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's slice
+        sizes = counts.tolist()
+        h = torch._grouped_mm(xc, w1, offs=offs)  # (M, r)
+        if b1 is not None:
+            h = _SegmentBias.apply(h, b1, sizes)
+        y = then_recomputed(self.act, h, lambda a: torch._grouped_mm(a.contiguous(), w2, offs=offs),  # (M, d)
+                            self.recompute_act)
+        if b2 is not None:
+            y = _SegmentBias.apply(y, b2, sizes)
+        return y
+
+    def padded(self, buf: torch.Tensor) -> torch.Tensor:
+        """Fixed-shape batched experts: buf (E, C, d) → (E, C, d)."""
+        h = torch.bmm(buf, self.fc1_weight.transpose(1, 2))  # (E, C, r)
+        if self.fc1_bias is not None:
+            h = h + self.fc1_bias[:, None, :]
+        y = torch.bmm(self.act(h), self.fc2_weight.transpose(1, 2))  # (E, C, d)
+        if self.fc2_bias is not None:
+            y = y + self.fc2_bias[:, None, :]
+        return y
