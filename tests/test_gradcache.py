@@ -82,7 +82,7 @@ def test_cached_equals_plain_in_float32_with_the_cpu_fast_path(make_tiny, moe, m
     if not fastpath_enabled():
         pytest.skip("this torch build has no oneDNN packed linear")
     packed, real = [], Linear._packed_weight
-    monkeypatch.setattr(Linear, "_packed_weight", lambda self: packed.append(1) or real(self))
+    monkeypatch.setattr(Linear, "_packed_weight", lambda self, *a: packed.append(1) or real(self, *a))
     model = make_tiny(moe=moe, hidden_dropout=0.0, attention_dropout=0.0).train()
     assert next(model.parameters()).dtype == torch.float32
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
