@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moembed.model.config import EncoderConfig
 from moembed.model.activations import swiglu
+from moembed.model.attention import attend
 from moembed.model.linear import Linear
 from moembed.model.recompute import then_recomputed
 from moembed.model.rope import apply_rope, batch_cos_sin, rope_cos_sin
@@ -126,7 +127,8 @@ class EncoderLayer(nn.Module):
             cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.attention_dropout if self.training else 0.0
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_mask, dropout_p=p)  # (B, H, T, hd)
+        a, dtype = attend(q, k, v, ctx.attn_mask, p)  # (B, H, T, hd)
+        self.__dict__["last_attention_dtype"] = dtype  # tests assert which precision ran
         return ctx.unpad(a.transpose(1, 2).reshape(B, T, H * hd))  # (N, d)
 
     def forward(self, x: torch.Tensor, ctx: "_Context"):

@@ -141,6 +141,11 @@ def cached(module: nn.Module, name: str, key: tuple, make):
     return hit[1]
 
 
+def cpu_flags() -> dict:
+    """This CPU's features as torch detects them ({"avx512_bf16": True, "amx_bf16": False, ...}; {} if unknown)."""
+    return torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+
+
 def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
     """Whether bfloat16 matmuls run natively on `device`: a CUDA GPU with bf16 support, or a CPU with AVX-512 BF16 or
     AMX (x86), or oneDNN's bf16 support elsewhere. Other x86 CPUs (AVX2 only) emulate them, several times slower
@@ -150,7 +155,7 @@ def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return True  # mps and others: bf16 is native where torch offers it
-    flags = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+    flags = cpu_flags()
     if flags.get("architecture", "x86_64") in ("x86_64", "x86"):
         return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -101,7 +101,7 @@ class QuickTrain(_Strict):
     max_query_length: int = Field(32, ge=4)
     max_doc_length: int = Field(96, ge=4)
     bf16: bool | Literal["auto"] = "auto"  # auto: where bf16 matmuls are native (moembed.model.linear.bf16_is_fast)
-    checkpoint_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
 
     def bf16_on(self, device: str) -> bool:
         """Whether training autocasts to bf16 on `device` ("auto" resolved there, not in the stored config)."""

@@ -1,0 +1,53 @@
+"""Scaled dot-product attention over the padded (B, H, T, hd) layout, in the precision that trains fastest here.
+
+    out, dtype = attend(q, k, v, mask, dropout_p)   # out in q's dtype; dtype: what the kernel computed in
+
+On a CPU without AMX, torch's fused (flash) attention kernel trains 2.5-5x slower in bfloat16 than in float32 at
+the lengths embedding models see: on an AVX-512 BF16 EPYC (Zen 5), 12 heads of 32, forward and backward of B = 64,
+T = 64 took 50 ms in bf16 against 16-18 ms in float32 with the casts (BENCHMARKS.md, "Attention in float32 when
+training in bf16"); its bf16 backward was a quarter of a bf16 finetuning step. So there a bf16 call that autograd
+records casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast them back) and
+casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The result is
+also the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than they save
+(whole bf16 encode 0.89x as fast with them). Where bf16 attention has hardware of its own (AMX tiles, GPUs) the
+input's dtype is kept; MOEMBED_NO_FASTPATH=1 keeps it everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from moembed.model.linear import cpu_flags
+
+
+def _upcast_pays() -> bool:
+    flags = cpu_flags()
+    return not flags.get("amx_bf16", False)
+
+
+_UPCAST_PAYS = _upcast_pays()
+
+
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention over `q` runs in: float32 for a bf16 `q` that autograd records, on a CPU without AMX
+    (unless MOEMBED_NO_FASTPATH=1); else q's own."""
+    if q.dtype == torch.bfloat16 and q.requires_grad and q.device.type == "cpu" and _UPCAST_PAYS:
+        if os.environ.get("MOEMBED_NO_FASTPATH", "") != "1":
+            return torch.float32
+    return q.dtype
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.dtype]:
+    """softmax(q kᵀ / √hd + mask) v for q, k, v (B, H, T, hd), mask (B, 1, 1, T) bool (True = attend) or None;
+    (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in)."""
+    dtype = compute_dtype(q)
+    if dtype == q.dtype:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), dtype
+    with torch.autocast(q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
+                                             dropout_p=dropout_p)
+    return out.to(q.dtype), dtype
