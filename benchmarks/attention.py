@@ -126,7 +126,8 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; {cpu_flags()}")
     rows = [measure(mode, B, T, device, args.repeats) for mode, shapes in SHAPES.items() for B, T in shapes]
-    print(f"\n{'mode':<6} {'B':>3} {'T':>4} {'bf16 ms':>9} {'f32+casts':>10} {'float32':>9} {'bf16 / casts':>13}  error")
+    head = f"{'mode':<6} {'B':>3} {'T':>4} {'bf16 ms':>9} {'f32+casts':>10} {'float32':>9} {'bf16 / casts':>13}"
+    print(f"\n{head}  error")
     for r in rows:
         err = ""
         if "error" in r:
