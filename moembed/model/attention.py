@@ -4,13 +4,14 @@
 
 On a CPU without AMX, torch's fused (flash) attention kernel trains 2.2-3x slower in bfloat16 than in float32 at the
 lengths embedding models see: on an AVX-512 BF16 EPYC (Zen 5), 12 heads of 32, forward and backward of B = 64, T =
-64 took 52 ms in bf16 against 17 ms in float32 with the casts (`benchmarks/attention.py`; BENCHMARKS.md, "Attention in float32
-when training in bf16"); its bf16 backward was a quarter of a bf16 finetuning step. So there a bf16 call that autograd records
-casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast them back) and casts the
-output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The result is also the more
-precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than they save
-(`precision.py`: bf16 encode at 1.45-1.46x float32 with them against 1.56-1.58x without). Where bf16 attention has
-hardware of its own (AMX tiles, GPUs) the input's dtype is kept; MOEMBED_NO_FASTPATH=1 keeps it everywhere.
+64 took 52 ms in bf16 against 17 ms in float32 with the casts (`benchmarks/attention.py`; BENCHMARKS.md, "Attention
+in float32 when training in bf16"); its bf16 backward was a quarter of a bf16 finetuning step. So there a bf16 call
+that autograd records casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast
+them back) and casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The
+result is also the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than
+they save (`precision.py`: bf16 encode at 1.45-1.46x float32 with them against 1.56-1.58x without). Where bf16
+attention has hardware of its own (AMX tiles, GPUs) the input's dtype is kept; MOEMBED_NO_FASTPATH=1 keeps it
+everywhere.
 """
 
 from __future__ import annotations
