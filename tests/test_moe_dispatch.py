@@ -146,6 +146,52 @@ def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float
     assert torch.equal(fresh, blk.experts.fc1_weight.detach().to(torch.bfloat16))
 
 
+def test_passes_of_a_step_share_one_cast_node_and_gradients_equal_separate_casts():
+    """Three passes (queries, documents, negatives) share one cast node per expert weight: one backward casts their
+    summed gradient back once. Gradients match casts made per pass, with one backward or one per pass (GradCache);
+    a new weight version or a frozen weight gets a new node."""
+    xs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(n)) for n in (7, 12, 12)]
+
+    def grads(blk, share: bool, backward_each: bool):
+        blk.zero_grad()
+        total = 0
+        for x in xs:
+            if not share:
+                blk.experts.__dict__.get("_weight_cache", {}).pop("cast-node", None)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = blk(x)[0]
+            assert blk.last_dispatch == "grouped"
+            loss = (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
+            if backward_each:
+                loss.backward()
+            else:
+                total = total + loss
+        if not backward_each:
+            total.backward()
+        return {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
+
+    blk = block()
+    blk.dispatch_mode = "grouped"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nodes = blk.experts._weights_as(torch.bfloat16)
+        assert blk.experts._weights_as(torch.bfloat16)[0] is nodes[0]  # one node while the version holds
+    want = grads(blk, share=False, backward_each=False)
+    for backward_each in (False, True):
+        got = grads(blk, share=True, backward_each=backward_each)
+        assert set(got) == set(want)
+        for name, g in want.items():
+            # the shared node sums the passes' gradients in bf16 before the cast (as autocast does for nn.Linear)
+            assert torch.allclose(got[name], g, rtol=2e-2, atol=1e-2 * g.abs().max().item()), name
+    with torch.no_grad():
+        blk.experts.fc1_weight.mul_(1.0)  # a version bump (an optimizer step)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert blk.experts._weights_as(torch.bfloat16)[0] is not nodes[0]
+    blk.experts.fc1_weight.requires_grad_(False)
+    assert "experts.fc1_weight" not in grads(blk, share=True, backward_each=False)
+    blk.experts.fc1_weight.requires_grad_(True)
+    assert "experts.fc1_weight" in grads(blk, share=True, backward_each=False)
+
+
 def test_the_capability_probe_draws_no_random_numbers(fresh_dispatch_state):
     # It runs at the first MoE pass of a process: a draw there would shift the dropout masks of a training run,
     # so that a resumed run (a new process, the generator restored) would not repeat the uninterrupted one.

@@ -261,7 +261,14 @@ class Experts(nn.Module):
         casts = cached(self, "cast", key, lambda: [None if w is None else w.detach().to(dtype) for w in params])
         if not torch.is_grad_enabled():
             return tuple(casts)
-        return tuple(None if w is None else _CastOnce.apply(w, (c,)) for w, c in zip(params, casts))
+        # One graph node per weight for as long as the cast is kept, as autocast's own cache keeps for nn.Linear: the
+        # passes of a step (queries, documents, negatives) share it, so backward sums their gradients in `dtype` and
+        # casts them back once, instead of once per pass with a float32 accumulation each (4x the dense MLPs'
+        # parameters). The node saves no tensor, so any number of backward calls may run through it (GradCache's,
+        # one per chunk).
+        grads = tuple(w is not None and w.requires_grad for w in params)  # freezing a weight needs a new node
+        return cached(self, "cast-node", key + grads,
+                      lambda: tuple(None if w is None else _CastOnce.apply(w, (c,)) for w, c in zip(params, casts)))
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Same as `loop` with two grouped matmuls (torch._grouped_mm) in `dtype`; None when the operands' layout
