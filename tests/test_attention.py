@@ -1,7 +1,7 @@
-"""Attention's precision rule (`moembed.model.attention`): a bf16 call that autograd records, on a CPU without AMX,
-runs the kernel in float32 and equals float32 attention of the same bf16 inputs, forward and backward, under
-autocast too; elsewhere (inference, AMX, MOEMBED_NO_FASTPATH=1, float32 inputs) the input's dtype runs. The encoder
-records which one ran."""
+"""Attention's precision rule (`moembed.model.attention`): a bf16 call in training (train mode or recorded by
+autograd), on a CPU without AMX, runs the kernel in float32 and equals float32 attention of the same bf16 inputs,
+forward and backward, under autocast too; elsewhere (inference, AMX, MOEMBED_NO_FASTPATH=1, float32 inputs) the
+input's dtype runs. The encoder records which one ran."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_compute_dtype_rule(monkeypatch, upcast):
     bf = torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)
     assert compute_dtype(bf) == torch.float32
     assert compute_dtype(bf.detach()) == torch.bfloat16  # inference keeps bf16
+    assert compute_dtype(bf.detach(), training=True) == torch.float32  # GradCache's no-grad pass, as its replay
     with torch.no_grad():
         assert compute_dtype(bf * 1) == torch.bfloat16
     assert compute_dtype(torch.zeros(1)) == torch.float32
@@ -110,6 +111,9 @@ def test_encoder_records_the_precision_and_matches_float32(upcast):
     full = enc(ids, mask).packed_hidden  # float32 throughout, same dropout masks
     assert all(layer.last_attention_dtype == torch.float32 for layer in enc.layers)
     assert torch.nn.functional.cosine_similarity(out.float(), full, dim=-1).min().item() > 0.99
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        enc(ids, mask)  # GradCache's first pass: no gradient, still training
+    assert all(layer.last_attention_dtype == torch.float32 for layer in enc.layers)
     enc.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         enc(ids, mask)

@@ -6,7 +6,7 @@ On a CPU without AMX, torch's fused (flash) attention kernel trains 2.2-3x slowe
 lengths embedding models see: on an AVX-512 BF16 EPYC (Zen 5), 12 heads of 32, forward and backward of B = 64, T =
 64 took 52 ms in bf16 against 17 ms in float32 with the casts (`benchmarks/attention.py`; BENCHMARKS.md, "Attention
 in float32 when training in bf16"); its bf16 backward was a quarter of a bf16 finetuning step. So there a bf16 call
-that autograd records casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast
+in training casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast
 them back) and casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The
 result is also the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than
 they save (`precision.py`: bf16 encode at 1.45-1.46x float32 with them against 1.56-1.58x without). Where bf16
@@ -32,20 +32,21 @@ def _upcast_pays() -> bool:
 _UPCAST_PAYS = _upcast_pays()
 
 
-def compute_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype attention over `q` runs in: float32 for a bf16 `q` that autograd records, on a CPU without AMX
-    (unless MOEMBED_NO_FASTPATH=1); else q's own."""
-    if q.dtype == torch.bfloat16 and q.requires_grad and q.device.type == "cpu" and _UPCAST_PAYS:
+def compute_dtype(q: torch.Tensor, training: bool = False) -> torch.dtype:
+    """The dtype attention over `q` runs in: float32 for a bf16 `q` in training (`training`: the module is in train
+    mode, which includes GradCache's no-grad first pass, so that its replay computes the same values) or recorded by
+    autograd, on a CPU without AMX (unless MOEMBED_NO_FASTPATH=1); else q's own."""
+    if q.dtype == torch.bfloat16 and (training or q.requires_grad) and q.device.type == "cpu" and _UPCAST_PAYS:
         if os.environ.get("MOEMBED_NO_FASTPATH", "") != "1":
             return torch.float32
     return q.dtype
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.dtype]:
+           dropout_p: float = 0.0, training: bool = False) -> tuple[torch.Tensor, torch.dtype]:
     """softmax(q kᵀ / √hd + mask) v for q, k, v (B, H, T, hd), mask (B, 1, 1, T) bool (True = attend) or None;
-    (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in)."""
-    dtype = compute_dtype(q)
+    (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in). `training`: the calling module's mode."""
+    dtype = compute_dtype(q, training)
     if dtype == q.dtype:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), dtype
     with torch.autocast(q.device.type, enabled=False):

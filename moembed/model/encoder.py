@@ -127,7 +127,7 @@ class EncoderLayer(nn.Module):
             cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.attention_dropout if self.training else 0.0
-        a, dtype = attend(q, k, v, ctx.attn_mask, p)  # (B, H, T, hd)
+        a, dtype = attend(q, k, v, ctx.attn_mask, p, self.training)  # (B, H, T, hd)
         self.__dict__["last_attention_dtype"] = dtype  # tests assert which precision ran
         return ctx.unpad(a.transpose(1, 2).reshape(B, T, H * hd))  # (N, d)
 
