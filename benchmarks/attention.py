@@ -9,7 +9,7 @@ third of T and T. For each shape, three variants in turn per repeat (medians):
 
 - bf16: q, k, v in bfloat16 into the kernel (what autocast runs);
 - float32 with casts: q, k, v cast to float32, the kernel outside autocast, the output cast back to bf16 (what
-  `attend` runs for a bf16 call autograd records, on a CPU without AMX);
+  `attend` runs for a bf16 call in training, on a CPU without AMX);
 - float32: the kernel on float32 inputs (the float32 model's attention).
 
 "train" times forward and backward (gradients for q, k and v), "infer" the forward without autograd. Prints each
@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gemm_ceiling import timed  # noqa: E402
 from precision import cpu_flags  # noqa: E402
+
+from moembed.model.attention import attention_in  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 32
 SHAPES = {"train": [(32, 32), (32, 96), (64, 64), (64, 96)], "infer": [(32, 16), (32, 32), (32, 64), (32, 128)]}
@@ -53,9 +55,7 @@ def bf16(q, k, v, mask):
 
 
 def upcast(q, k, v, mask):
-    with torch.autocast(q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
-    return out.to(q.dtype)
+    return attention_in(torch.float32, q, k, v, mask)  # what `attend` runs for a bf16 call in training
 
 
 def errors(fn, base, mask, grad) -> tuple[float, float]:
@@ -71,16 +71,6 @@ def errors(fn, base, mask, grad) -> tuple[float, float]:
     grad_err = max(((a.grad.float() - b.grad)[rows].abs().max() / b.grad[rows].abs().max()).item()
                    for a, b in zip(mine, ref))
     return out_err.item(), grad_err
-
-
-def timer(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def measure(mode: str, B: int, T: int, device: torch.device, repeats: int) -> dict:
@@ -108,7 +98,7 @@ def measure(mode: str, B: int, T: int, device: torch.device, repeats: int) -> di
             call()
     for _ in range(repeats):
         for name, call in calls.items():
-            times[name].append(timer(call, device))
+            times[name].append(timed(call, device, 1))
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     row = {"mode": mode, "B": B, "T": T, "ms": ms, "bf16_over_cast": ms["bf16"] / ms["float32 with casts"]}
     if mode == "train":

@@ -16,17 +16,14 @@ everywhere.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from moembed.model.linear import cpu_flags
-
+from moembed.model.linear import cpu_flags, fastpaths_off
 
 def _upcast_pays() -> bool:
-    flags = cpu_flags()
-    return not flags.get("amx_bf16", False)
+    """Not on AMX CPUs, whose tiles run bf16 attention natively (not measured here: bf16 is kept there)."""
+    return not cpu_flags().get("amx_bf16", False)
 
 
 _UPCAST_PAYS = _upcast_pays()
@@ -36,10 +33,20 @@ def compute_dtype(q: torch.Tensor, training: bool = False) -> torch.dtype:
     """The dtype attention over `q` runs in: float32 for a bf16 `q` in training (`training`: the module is in train
     mode, which includes GradCache's no-grad first pass, so that its replay computes the same values) or recorded by
     autograd, on a CPU without AMX (unless MOEMBED_NO_FASTPATH=1); else q's own."""
-    if q.dtype == torch.bfloat16 and (training or q.requires_grad) and q.device.type == "cpu" and _UPCAST_PAYS:
-        if os.environ.get("MOEMBED_NO_FASTPATH", "") != "1":
-            return torch.float32
-    return q.dtype
+    upcast = (q.dtype == torch.bfloat16 and q.device.type == "cpu" and (training or q.requires_grad)
+              and _UPCAST_PAYS and not fastpaths_off())
+    return torch.float32 if upcast else q.dtype
+
+
+def attention_in(dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 dropout_p: float = 0.0) -> torch.Tensor:
+    """The fused kernel run in `dtype` (outside autocast, which would cast the inputs back), its output in q's dtype."""
+    if dtype == q.dtype:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    with torch.autocast(q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
+                                             dropout_p=dropout_p)
+    return out.to(q.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -47,9 +54,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """softmax(q kᵀ / √hd + mask) v for q, k, v (B, H, T, hd), mask (B, 1, 1, T) bool (True = attend) or None;
     (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in). `training`: the calling module's mode."""
     dtype = compute_dtype(q, training)
-    if dtype == q.dtype:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), dtype
-    with torch.autocast(q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
-                                             dropout_p=dropout_p)
-    return out.to(q.dtype), dtype
+    return attention_in(dtype, q, k, v, mask, dropout_p), dtype

@@ -70,10 +70,15 @@ def fastpath_enabled() -> bool:
     return _HAS_PACKED and (switch == "0" or (switch == "" and _PACKING_PAYS))
 
 
+def fastpaths_off() -> bool:
+    """MOEMBED_NO_FASTPATH=1: every CPU fast path off (packing, packed bf16, attention's float32 in bf16 training)."""
+    return os.environ.get("MOEMBED_NO_FASTPATH", "") == "1"
+
+
 def bf16_packing_enabled() -> bool:
     """Whether bf16-autocast CPU inference uses packed bf16 weights: where bf16 matmuls are native (`bf16_is_fast`)
     and this torch build has oneDNN's packed kernels, unless MOEMBED_NO_FASTPATH=1."""
-    return _HAS_PACKED and _BF16_NATIVE and os.environ.get("MOEMBED_NO_FASTPATH", "") != "1"
+    return _HAS_PACKED and _BF16_NATIVE and not fastpaths_off()
 
 
 def bf16_inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
