@@ -271,6 +271,28 @@ def test_matryoshka_precision_sweep_and_report(make_tiny, tasks, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
 
+def test_int8_calibration_with_a_cache_embeds_the_corpus_once(make_tiny, tasks, tmp_path):
+    """With a cache, a sweep's int8 calibration embeds each task's texts through it under the key of the task's own
+    float32 run: the retrieval corpus is embedded once for both, and the ranges are those `calibrate` takes."""
+    from moembed.eval import EmbeddingCache
+
+    loaded = [load_task(tasks["retrieval"]), load_task(tasks["sts"])]
+    plain = make_tiny("bert")
+    expected = {(r.task_name, r.dim, r.precision): r.main_score
+                for r in matryoshka_sweep(plain, loaded, [16], ["int8"])}
+    model = make_tiny("bert")
+    calls, encode = [], model.encode
+    model.encode = lambda texts, **k: calls.append(list(texts)) or encode(texts, **k)
+    model.calibrate = lambda *a, **k: pytest.fail("calibrate() embeds the sample a second time")
+    res = matryoshka_sweep(model, loaded, [16], ["int8"], cache=EmbeddingCache(tmp_path / "cache"))
+    corpus = list(loaded[0].data["corpus"].values())
+    assert calls.count(corpus) == 1  # calibration and the float32 retrieval run share one encode
+    for dim in (None, 16):
+        np.testing.assert_allclose(model.int8_ranges(dim), plain.int8_ranges(dim), atol=1e-6)
+    for r in res:
+        assert r.main_score == pytest.approx(expected[(r.task_name, r.dim, r.precision)], abs=1e-3)
+
+
 def test_long_context_sweep(make_tiny, tasks, tmp_path):
     rot = make_tiny("nomic", max_length=64)
     loaded = [load_task(tasks["retrieval"]), load_task(tasks["sts"])]

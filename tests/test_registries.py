@@ -93,7 +93,7 @@ def test_a_registered_task_type_is_detected_read_run_and_scored(make_tiny, tmp_p
     from moembed.eval import evaluate, load_task
     from moembed.eval import registry
     from moembed.eval.encoding import encode
-    from moembed.eval.sweep import calibration_texts
+    from moembed.eval.sweep import calibration_sample
     from moembed.eval.task import TaskType
 
     class Lengths(TaskType):
@@ -122,7 +122,7 @@ def test_a_registered_task_type_is_detected_read_run_and_scored(make_tiny, tmp_p
     monkeypatch.setitem(registry.TASK_TYPES, "lengths", Lengths())
     task = load_task(d)
     assert task.type == "lengths" and len(task.data["rows"]) == 3
-    assert calibration_texts([task]) == ["a", "bb", "ccc"]
+    assert calibration_sample([task]) == [["a", "bb", "ccc"]]
     (res,) = evaluate(make_tiny("bert"), [d])
     assert res.task_type == "lengths" and res.main_score == res.scores["agreement"] == 1.0
     (d / "task.json").write_text(json.dumps({"type": "lenghts"}))
