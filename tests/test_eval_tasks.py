@@ -293,6 +293,17 @@ def test_int8_calibration_with_a_cache_embeds_the_corpus_once(make_tiny, tasks, 
         assert r.main_score == pytest.approx(expected[(r.task_name, r.dim, r.precision)], abs=1e-3)
 
 
+def test_sweep_without_a_cache_embeds_each_text_once(make_tiny, tasks):
+    model = make_tiny("bert")
+    calls, encode = [], model.encode
+    model.encode = lambda texts, **k: calls.append(list(texts)) or encode(texts, **k)
+    loaded = [load_task(tasks["retrieval"])]
+    res = matryoshka_sweep(model, loaded, [16, 8], ["float32", "int8", "binary"])
+    assert len(res) == 9
+    assert calls.count(list(loaded[0].data["corpus"].values())) == 1  # calibration and all nine points
+    assert len(calls) == 2  # and the queries
+
+
 def test_long_context_sweep(make_tiny, tasks, tmp_path):
     rot = make_tiny("nomic", max_length=64)
     loaded = [load_task(tasks["retrieval"]), load_task(tasks["sts"])]

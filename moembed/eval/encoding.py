@@ -76,6 +76,21 @@ class EmbeddingCache:
             np.save(fh, x)
 
 
+class MemoryCache(EmbeddingCache):
+    """The same keys, held in memory for one run: a sweep without a cache directory embeds each text once, not once
+    per (dim, precision) point (memory: the full-dimension float32 embeddings of every text evaluated)."""
+
+    def __init__(self):
+        super().__init__("memory")
+        self._held: dict[Path, np.ndarray] = {}
+
+    def get(self, path: Path) -> np.ndarray | None:
+        return self._held.get(path)
+
+    def put(self, path: Path, x: np.ndarray) -> None:
+        self._held[path] = x
+
+
 def _derivable(model, view: View) -> bool:
     """True when `view` is not the full float32 output and can be computed from it (see `DerivesViews`)."""
     full = view.dim in (None, model.dim) and view.precision == "float32"

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moembed.errors import MoembedError
-from moembed.eval.encoding import EmbeddingCache, View, encode_raw
+from moembed.eval.encoding import EmbeddingCache, MemoryCache, View, encode_raw
 from moembed.eval.registry import TASK_TYPES
 from moembed.eval.runner import TaskResult, run_task
 from moembed.eval.task import Task
@@ -84,6 +84,7 @@ def matryoshka_sweep(model, tasks: Sequence[Task], dims: Sequence[int] | None, p
         if not 1 <= d <= full:
             raise MoembedError(f"--dims: {d} is out of range 1..{full}")
     precisions = ["float32", *[p for p in precisions if p != "float32"]]
+    cache = cache if cache is not None else MemoryCache()  # every point derived from one encode of each text
     note = ensure_int8(model, tasks, cache, batch_size) if {"int8", "uint8"} & set(precisions) else ""
     out = []
     grid = [(p, d, t) for p in precisions for d in dims for t in tasks]
