@@ -21,7 +21,9 @@ Three controls put the MoE figures in context:
 - st-dense: the dense model as sentence-transformers runs it (padded batches, Hugging Face BERT), on the same
   token batches: the dense baseline users know.
 
-A training step is the one `moembed train` takes: the optimizer of `moembed.train.optim` (AdamW, fused where torch
+A training step is timed as forward + backward, then the optimizer step apart; the pairs' lines give the step
+with and without the optimizer, whose work grows with the parameter count (4x dense-wide's MLP parameters in the
+MoE layers) rather than with the dispatch. A training step is the one `moembed train` takes: the optimizer of `moembed.train.optim` (AdamW, fused where torch
 has the kernel; torch's default multi-tensor AdamW charged the MoE's 4x expert parameters several passes over
 their state each step) in the process settings the command trains with (`moembed.heap`: mimalloc, huge pages for
 large buffers, idle OpenMP workers asleep; MOEMBED_ALLOCATOR=system keeps glibc's malloc). Encoding runs in the same
@@ -100,6 +102,11 @@ def timed(fn, device: torch.device) -> tuple[float, float]:
 
 
 def train_step(model: Embedder | STDense, opt: torch.optim.Optimizer, qb, db, bf16: bool) -> None:
+    forward_backward(model, opt, qb, db, bf16)
+    opt.step()
+
+
+def forward_backward(model: Embedder | STDense, opt: torch.optim.Optimizer, qb, db, bf16: bool) -> None:
     opt.zero_grad(set_to_none=True)
     with torch.autocast(qb[0].device.type, dtype=torch.bfloat16, enabled=bf16):
         if isinstance(model, STDense):
@@ -111,7 +118,6 @@ def train_step(model: Embedder | STDense, opt: torch.optim.Optimizer, qb, db, bf
             if logits:  # nomic-embed-v2 §4.3: load balancing with α = 1
                 loss = loss + load_balancing_loss(logits, top_k=model.config.moe.top_k)
     loss.backward()
-    opt.step()
 
 
 class STDense:
@@ -207,10 +213,13 @@ def main() -> None:
     for v in variants:  # warm-up step (allocations, optimizer state)
         models[v].train()
         train_step(models[v], opts[v], qb, db, args.bf16)
+    optimizer = {v: [] for v in variants}  # the optimizer step alone, timed apart from forward and backward
     for r in range(args.reps):
         qb, db = batches[(r + 1) % len(batches)]  # --vary: a new batch (new lengths and expert loads) each repetition
         for v in variants:
-            train[v].append(timed(lambda v=v: train_step(models[v], opts[v], qb, db, args.bf16), device))
+            fb = timed(lambda v=v: forward_backward(models[v], opts[v], qb, db, args.bf16), device)
+            optimizer[v].append(timed(opts[v].step, device))
+            train[v].append(tuple(a + b for a, b in zip(fb, optimizer[v][-1])))
     paths = {v: dispatch_paths(m) for v, m in models.items()}
 
     enc = {v: [] for v in variants}
@@ -245,6 +254,13 @@ def main() -> None:
             print(f"{a} / {b} ({what}): train step {med(train[a], i) / med(train[b], i):.3f}x "
                   f"(paired {pair(train[a], train[b]):.3f}x), encode {med(enc[a], i) / med(enc[b], i):.3f}x "
                   f"(paired {pair(enc[a], enc[b]):.3f}x)")
+            # The step without the optimizer: what dispatch adds to forward and backward. AdamW's work grows with
+            # the parameter count (the MoE has 4x dense-wide's MLP parameters there), not with the dispatch.
+            fb = {v: [tuple(x - y for x, y in zip(t, o)) for t, o in zip(train[v], optimizer[v])] for v in (a, b)}
+            print(f"    forward + backward {med(fb[a], i) / med(fb[b], i):.3f}x (paired {pair(fb[a], fb[b]):.3f}x); "
+                  f"optimizer step {med(optimizer[a], i) / med(optimizer[b], i):.2f}x, "
+                  f"{med(optimizer[a], i) / med(train[a], i):.1%} of {a}'s step and "
+                  f"{med(optimizer[b], i) / med(train[b], i):.1%} of {b}'s")
 
 
 def dispatch_paths(model) -> str:

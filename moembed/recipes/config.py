@@ -90,7 +90,7 @@ class UserData(_Strict):
 
 
 class QuickTrain(_Strict):
-    steps: int = Field(200, ge=1)
+    steps: int = Field(100, ge=1)
     batch_size: int = Field(32, ge=2)  # global: all processes together
     hard_negatives: int = Field(1, ge=0)
     lr: float = Field(3e-5, gt=0)
