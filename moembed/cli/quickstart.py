@@ -20,7 +20,7 @@ def quickstart(
     base: str = typer.Option(None, "--base", help="base model directory (default: all-MiniLM-L6-v2)"),
     teacher: str = typer.Option(None, "--teacher", help="teacher for filtering and mining (default: the base)"),
     preset: str = typer.Option(None, "--preset", help="a named recipe (default: english)"),
-    steps: int = typer.Option(None, "--steps", help="finetuning steps per model (default 100)"),
+    steps: int = typer.Option(None, "--steps", help="finetuning steps per model (default 120)"),
     batch_size: int = typer.Option(None, "--batch-size", help="global training batch (default 32)"),
     max_pairs: int = typer.Option(None, "--max-pairs", help="training pairs kept (your data: in all; built-in: per dataset)"),
     nproc: int = typer.Option(None, "--nproc", help="training processes per model, launched with torchrun (default 1)"),
