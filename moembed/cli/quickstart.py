@@ -30,7 +30,7 @@ def quickstart(
     config: Path = typer.Option(None, "--config", help="a YAML file over configs/quickstart.yaml's defaults"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
 ) -> None:
-    """Split, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (9-12 min on 2 AVX-512 cores)."""
+    """Split, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (6-17 min on 2 cores)."""
     import json
 
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
