@@ -304,6 +304,39 @@ def test_sweep_without_a_cache_embeds_each_text_once(make_tiny, tasks):
     assert len(calls) == 2  # and the queries
 
 
+def test_memory_cache_holds_at_most_its_budget_then_embeds_again(make_tiny, tasks, caplog):
+    from moembed.eval.encoding import MemoryCache, View, encode_raw
+
+    model = make_tiny("bert")
+    calls, encode = [], model.encode
+    model.encode = lambda texts, **k: calls.append(list(texts)) or encode(texts, **k)
+    texts = ["a cat", "a dog", "a bird"]
+    small = MemoryCache(budget=3 * model.dim * 4)  # room for the three embeddings, float32
+    for _ in range(2):
+        encode_raw(model, texts, None, View(), small)
+    assert len(calls) == 1 and small.held_bytes == 3 * model.dim * 4
+    tiny = MemoryCache(budget=16)
+    with caplog.at_level("WARNING", logger="moembed.eval.encoding"):
+        for _ in range(2):
+            encode_raw(model, texts, None, View(), tiny)
+    assert len(calls) == 3 and tiny.held_bytes == 0  # not held: embedded each time, as without a cache
+    assert "--cache-dir" in caplog.text
+
+    class Plain:  # a model with only what evaluation needs: no settings_key (a disk cache would need one)
+        name, prompts, dim = "plain", {}, model.dim
+
+        def encode(self, texts, **k):
+            return model.encode(texts, **k)
+
+    held = MemoryCache()
+    for _ in range(2):
+        encode_raw(Plain(), texts, None, View(), held)  # two objects: each has its own entries
+    plain = Plain()
+    for _ in range(2):
+        encode_raw(plain, texts, None, View(), held)  # the same object: embedded once
+    assert len(calls) == 6
+
+
 def test_long_context_sweep(make_tiny, tasks, tmp_path):
     rot = make_tiny("nomic", max_length=64)
     loaded = [load_task(tasks["retrieval"]), load_task(tasks["sts"])]

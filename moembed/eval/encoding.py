@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import numpy as np
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
 from moembed.model.protocol import DerivesViews, Quantizes, own_similarity
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class EmbeddingCache:
         for t in texts:
             h.update(t.encode("utf-8"))
             h.update(b"\0")
-        model_key = model.settings_key()
+        model_key = self.model_key(model)
         key = {"model": model_key, "texts": h.hexdigest(), "prompt": prompt, "dim": view.dim,
                "precision": view.precision}
         if view.precision in ("int8", "uint8") and isinstance(model, Quantizes) and model.calibration is not None:
@@ -67,6 +70,9 @@ class EmbeddingCache:
             key["calibration"] = hashlib.sha256(np.ascontiguousarray(model.calibration).tobytes()).hexdigest()[:16]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return self.dir / model_key / f"{digest}.npy"
+
+    def model_key(self, model) -> str:
+        return model.settings_key()
 
     def get(self, path: Path) -> np.ndarray | None:
         return np.load(path) if path.exists() else None
@@ -78,17 +84,36 @@ class EmbeddingCache:
 
 class MemoryCache(EmbeddingCache):
     """The same keys, held in memory for one run: a sweep without a cache directory embeds each text once, not once
-    per (dim, precision) point (memory: the full-dimension float32 embeddings of every text evaluated)."""
+    per (dim, precision) point. At most `budget` bytes are held (the full-dimension float32 embeddings of the texts
+    evaluated: 1.5 GB for a million 384-dim documents); past it, entries are not kept and are embedded again when
+    asked for, as without any cache, and a warning says to give a cache directory."""
 
-    def __init__(self):
+    def __init__(self, budget: int = 2 << 30):
         super().__init__("memory")
+        self.budget, self.held_bytes, self.warned = budget, 0, False
         self._held: dict[Path, np.ndarray] = {}
+        self._models: dict[int, object] = {}
+
+    def model_key(self, model) -> str:
+        """The model's settings key, or this object's identity for a model without one (the cache keeps a reference,
+        so that no other object takes the identity while its entries are held)."""
+        if hasattr(model, "settings_key"):
+            return model.settings_key()
+        self._models[id(model)] = model
+        return f"object-{id(model)}"
 
     def get(self, path: Path) -> np.ndarray | None:
         return self._held.get(path)
 
     def put(self, path: Path, x: np.ndarray) -> None:
+        if self.held_bytes + x.nbytes > self.budget:
+            if not self.warned:
+                log.warning("embeddings past %.1f GB are not held in memory and are embedded again for each sweep "
+                            "point; give a cache directory (--cache-dir) to keep them on disk", self.budget / 1e9)
+                self.warned = True
+            return
         self._held[path] = x
+        self.held_bytes += x.nbytes
 
 
 def _derivable(model, view: View) -> bool:
