@@ -125,7 +125,7 @@ class PretrainStage(_Strict):
 
     filter_top_k: int | None = Field(None, ge=1)  # None: the recipe's filter_top_k (the finetuning pool's pairs)
 
-    steps: int = Field(120, ge=1)
+    steps: int = Field(100, ge=1)
     batch_size: int = Field(64, ge=2)  # global: all processes together
     lr: float = Field(5e-5, gt=0)
     warmup_steps: int = Field(10, ge=0)
