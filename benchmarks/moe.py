@@ -23,11 +23,11 @@ Three controls put the MoE figures in context:
 
 A training step is timed as forward + backward, then the optimizer step apart; the pairs' lines give the step
 with and without the optimizer, whose work grows with the parameter count (4x dense-wide's MLP parameters in the
-MoE layers) rather than with the dispatch. A training step is the one `moembed train` takes: the optimizer of `moembed.train.optim` (AdamW, fused where torch
-has the kernel; torch's default multi-tensor AdamW charged the MoE's 4x expert parameters several passes over
-their state each step) in the process settings the command trains with (`moembed.heap`: mimalloc, huge pages for
-large buffers, idle OpenMP workers asleep; MOEMBED_ALLOCATOR=system keeps glibc's malloc). Encoding runs in the same
-process; `moembed encode` keeps glibc and OpenMP's default wait policy, which measured the same for encoding
+MoE layers) rather than with the dispatch. A training step is the one `moembed train` takes: the optimizer of
+`moembed.train.optim` (AdamW, fused where torch has the kernel; torch's default multi-tensor AdamW charged the
+MoE's 4x expert parameters several passes over their state each step) in the process settings the command trains
+with (`moembed.heap`: mimalloc, huge pages for large buffers, idle OpenMP workers asleep; MOEMBED_ALLOCATOR=system
+keeps glibc's malloc). Encoding runs in the same process; `moembed encode` keeps glibc and OpenMP's default wait policy, which measured the same for encoding
 (BENCHMARKS.md, "MoE dispatch against its FLOP floor").
 """
 
@@ -213,13 +213,14 @@ def main() -> None:
     for v in variants:  # warm-up step (allocations, optimizer state)
         models[v].train()
         train_step(models[v], opts[v], qb, db, args.bf16)
-    optimizer = {v: [] for v in variants}  # the optimizer step alone, timed apart from forward and backward
+    fb = {v: [] for v in variants}  # forward + backward, and the optimizer step timed apart
+    optimizer = {v: [] for v in variants}
     for r in range(args.reps):
         qb, db = batches[(r + 1) % len(batches)]  # --vary: a new batch (new lengths and expert loads) each repetition
         for v in variants:
-            fb = timed(lambda v=v: forward_backward(models[v], opts[v], qb, db, args.bf16), device)
+            fb[v].append(timed(lambda v=v: forward_backward(models[v], opts[v], qb, db, args.bf16), device))
             optimizer[v].append(timed(opts[v].step, device))
-            train[v].append(tuple(a + b for a, b in zip(fb, optimizer[v][-1])))
+            train[v].append(tuple(a + b for a, b in zip(fb[v][-1], optimizer[v][-1])))
     paths = {v: dispatch_paths(m) for v, m in models.items()}
 
     enc = {v: [] for v in variants}
@@ -256,7 +257,6 @@ def main() -> None:
                   f"(paired {pair(enc[a], enc[b]):.3f}x)")
             # The step without the optimizer: what dispatch adds to forward and backward. AdamW's work grows with
             # the parameter count (the MoE has 4x dense-wide's MLP parameters there), not with the dispatch.
-            fb = {v: [tuple(x - y for x, y in zip(t, o)) for t, o in zip(train[v], optimizer[v])] for v in (a, b)}
             print(f"    forward + backward {med(fb[a], i) / med(fb[b], i):.3f}x (paired {pair(fb[a], fb[b]):.3f}x); "
                   f"optimizer step {med(optimizer[a], i) / med(optimizer[b], i):.2f}x, "
                   f"{med(optimizer[a], i) / med(train[a], i):.1%} of {a}'s step and "

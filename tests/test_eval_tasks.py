@@ -275,9 +275,12 @@ def test_int8_calibration_with_a_cache_embeds_the_corpus_once(make_tiny, tasks, 
     """With a cache, a sweep's int8 calibration embeds each task's texts through it under the key of the task's own
     float32 run: the retrieval corpus is embedded once for both, and the ranges are those `calibrate` takes."""
     from moembed.eval import EmbeddingCache
+    from moembed.eval.sweep import calibration_sample
 
     loaded = [load_task(tasks["retrieval"]), load_task(tasks["sts"])]
     plain = make_tiny("bert")
+    sample = [t for texts in calibration_sample(loaded) for t in texts]
+    plain.calibrate(sample, prompt_name="search_document")  # its own encode of the sample, unnormalised
     expected = {(r.task_name, r.dim, r.precision): r.main_score
                 for r in matryoshka_sweep(plain, loaded, [16], ["int8"])}
     model = make_tiny("bert")
@@ -302,6 +305,15 @@ def test_sweep_without_a_cache_embeds_each_text_once(make_tiny, tasks):
     assert len(res) == 9
     assert calls.count(list(loaded[0].data["corpus"].values())) == 1  # calibration and all nine points
     assert len(calls) == 2  # and the queries
+
+
+def test_evaluate_int8_without_a_cache_dir_embeds_the_corpus_once(make_tiny, tasks):
+    model = make_tiny("bert")
+    calls, encode = [], model.encode
+    model.encode = lambda texts, **k: calls.append(list(texts)) or encode(texts, **k)
+    (res,) = evaluate(model, [tasks["retrieval"]], dim=16, precision="int8")
+    assert model.calibration is not None and res.precision == "int8"
+    assert calls.count(list(load_task(tasks["retrieval"]).data["corpus"].values())) == 1
 
 
 def test_memory_cache_holds_at_most_its_budget_then_embeds_again(make_tiny, tasks, caplog):

@@ -40,9 +40,12 @@ def evaluate(
     loaded = [t if isinstance(t, Task) else load_task(t) for t in tasks]
     cache = EmbeddingCache(cache_dir) if cache_dir else None
     if precision == "int8":
+        from moembed.eval.encoding import MemoryCache
         from moembed.eval.sweep import ensure_int8
 
-        ensure_int8(model, loaded, cache, batch_size)  # int8 ranges from the task texts when the model has none
+        # int8 ranges from the task texts when the model has none; the scoring reuses those embeddings
+        cache = cache if cache is not None else MemoryCache()
+        ensure_int8(model, loaded, cache, batch_size)
     view = View(dim, precision, batch_size)
     return [run_task(model, t, view, cache, use_faiss, chunk_size, query_block) for t in loaded]
 

@@ -53,22 +53,21 @@ def calibration_sample(tasks: Sequence[Task], limit: int = 10_000) -> list[list[
 def ensure_int8(model, tasks: Sequence[Task], cache: EmbeddingCache | None = None, batch_size: int = 32) -> str:
     """Calibrate the model on task texts if it has no int8 ranges yet; returns a note for the report.
 
-    With a cache the sample is embedded through it, one entry per task under the key that task's own float32 run
-    uses for the same texts: a retrieval corpus of up to 10,000 documents is embedded once for calibration and
-    scoring together (the quickstart's evaluation embedded its 2,772 test documents twice per model before, 44% of
-    the texts it embedded). The ranges are each dimension's min and max after truncation and normalisation
-    (`int8_ranges`), so normalised embeddings give the ranges that the unnormalised ones of `calibrate` give."""
+    The sample is embedded through `cache` (in memory without one), one entry per task under the key that task's own
+    float32 run uses for the same texts: a retrieval corpus of up to 10,000 documents is embedded once for
+    calibration and scoring together (the quickstart's evaluation embedded its 2,772 test documents twice per model
+    before, 44% of the texts it embedded). The ranges are each dimension's min and max after truncation and
+    normalisation (`int8_ranges`), so normalised embeddings give the ranges that the unnormalised ones of
+    `Embedder.calibrate` give."""
     if not isinstance(model, Quantizes):
         raise MoembedError(f"precision int8: model {model.name!r} has no calibrate()")
     if model.calibration is not None:
         return "int8 ranges from the model's stored calibration"
     sample = calibration_sample(tasks)
     prompt = "search_document" if "search_document" in (model.prompts or {}) else None
-    if cache is None:
-        model.calibrate([t for texts in sample for t in texts], prompt_name=prompt)
-    else:
-        view = View(None, "float32", batch_size)
-        model.calibration = np.concatenate([encode_raw(model, texts, prompt, view, cache) for texts in sample])
+    cache = cache if cache is not None else MemoryCache()
+    view = View(None, "float32", batch_size)
+    model.calibration = np.concatenate([encode_raw(model, texts, prompt, view, cache) for texts in sample])
     return f"int8 ranges calibrated on {sum(map(len, sample))} task texts"
 
 
