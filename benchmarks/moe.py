@@ -27,8 +27,8 @@ MoE layers) rather than with the dispatch. A training step is the one `moembed t
 `moembed.train.optim` (AdamW, fused where torch has the kernel; torch's default multi-tensor AdamW charged the
 MoE's 4x expert parameters several passes over their state each step) in the process settings the command trains
 with (`moembed.heap`: mimalloc, huge pages for large buffers, idle OpenMP workers asleep; MOEMBED_ALLOCATOR=system
-keeps glibc's malloc). Encoding runs in the same process; `moembed encode` keeps glibc and OpenMP's default wait policy, which measured the same for encoding
-(BENCHMARKS.md, "MoE dispatch against its FLOP floor").
+keeps glibc's malloc). Encoding runs in the same process; `moembed encode` keeps glibc and OpenMP's default wait
+policy, which measured the same for encoding (BENCHMARKS.md, "MoE dispatch against its FLOP floor").
 """
 
 from __future__ import annotations
