@@ -15,7 +15,9 @@ layer) and times, per pass and layer, forward and backward of fc1 and fc2 (GELU 
 grouped / wide is then the part of moe.py's `moe-auto / dense-wide` that no dispatch can remove on this kernel: the
 same FLOPs cut into eight uneven groups of fewer rows. Float32 and bf16 (the dtype bf16 autocast computes in);
 CPU time on a CPU, wall time on a GPU; medians of `--reps`, the variants interleaved. `--balanced` spreads the
-same assignments evenly over the experts instead.
+same assignments evenly over the experts instead. `--split` also times each variant's forward alone (no gradient)
+and forward + backward with the weights frozen (the input's gradient only), so that the step divides into forward,
+input gradient and weight gradient (the full step less the frozen one).
 """
 
 from __future__ import annotations
@@ -68,24 +70,31 @@ def operands(loads: list[int], d: int, i: int, dtype: torch.dtype, device: torch
             "offs": torch.tensor(loads, device=device).cumsum(0).to(torch.int32), "loads": loads}
 
 
+def backward(y: torch.Tensor) -> torch.Tensor:
+    if y.requires_grad:  # not in the forward-only phase
+        y.backward(torch.ones_like(y))
+    return y
+
+
+WEIGHTS = ("w1", "w2", "ww1", "ww2")
+PHASES = {"step": (True, True), "frozen": (True, False), "forward": (False, False)}  # (grad enabled, weight grads)
+
+
 def wide(o: dict) -> torch.Tensor:
     y = F.linear(F.gelu(F.linear(o["xw"], o["ww1"])), o["ww2"])
-    y.backward(torch.ones_like(y))
-    return y
+    return backward(y)
 
 
 def grouped(o: dict) -> torch.Tensor:
     h = torch._grouped_mm(o["x"], o["w1"].transpose(1, 2), offs=o["offs"])
     y = torch._grouped_mm(F.gelu(h), o["w2"].transpose(1, 2), offs=o["offs"])
-    y.backward(torch.ones_like(y))
-    return y
+    return backward(y)
 
 
 def loop(o: dict) -> torch.Tensor:
     parts = torch.split(o["x"], o["loads"])
     y = torch.cat([F.linear(F.gelu(F.linear(p, o["w1"][e])), o["w2"][e]) for e, p in enumerate(parts)])
-    y.backward(torch.ones_like(y))
-    return y
+    return backward(y)
 
 
 def main() -> None:
@@ -95,6 +104,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64, help="tokens per text (moe.py's default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--split", action="store_true",
+                    help="also forward alone and forward + backward with frozen weights (input gradient only)")
     ap.add_argument("--balanced", action="store_true",
                     help="the same assignments spread evenly over the experts (what load balancing aims at)")
     args = ap.parse_args()
@@ -110,23 +121,35 @@ def main() -> None:
     fns = {"wide": wide, "grouped": grouped, "loop": loop}
     for dtype in (torch.float32, torch.bfloat16):
         sets = [operands(x, 384, 1536, dtype, device) for x in loads]
-        run = lambda f: [f(o) for o in sets]  # noqa: E731 - one training step's MoE-layer matmuls
+        for phase in PHASES if args.split else ["step"]:
+            med, paired = measure(fns, sets, phase, args.reps, device, j)
+            print(f"{str(dtype).removeprefix('torch.'):9s} {phase:7s} "
+                  + "  ".join(f"{k} {1e3 * t:7.2f} ms" for k, t in med.items())
+                  + f"  grouped / wide {med['grouped'] / med['wide']:.3f}x (paired {paired:.3f}x), "
+                  f"loop / wide {med['loop'] / med['wide']:.3f}x", flush=True)
+
+
+def measure(fns: dict, sets: list[dict], phase: str, reps: int, device: torch.device, j: int
+            ) -> tuple[dict[str, float], float]:
+    """Median time per variant of one training step's MoE-layer matmuls in `phase`, and grouped / wide paired."""
+    grad, weight_grad = PHASES[phase]
+    for o in sets:
+        for k in WEIGHTS:
+            o[k].requires_grad_(weight_grad)
+    run = lambda f: [f(o) for o in sets]  # noqa: E731
+    with torch.set_grad_enabled(grad):
         for f in fns.values():  # warm-up
             run(f)
         times = {k: [] for k in fns}
-        for _ in range(args.reps):
+        for _ in range(reps):
             for k, f in fns.items():
                 for o in sets:
                     for v in o.values():
-                        if isinstance(v, torch.Tensor) and v.requires_grad:
+                        if isinstance(v, torch.Tensor):
                             v.grad = None
                 times[k].append(timed(lambda f=f: run(f), device)[j])
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{str(dtype).removeprefix('torch.'):9s} " + "  ".join(f"{k} {1e3 * t:7.2f} ms" for k, t in med.items())
-              + f"  grouped / wide {med['grouped'] / med['wide']:.3f}x (paired "
-              f"{statistics.median(g / w for g, w in zip(times['grouped'], times['wide'])):.3f}x), "
-              f"loop / wide {med['loop'] / med['wide']:.3f}x")
-
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med, statistics.median(g / w for g, w in zip(times["grouped"], times["wide"]))
 
 if __name__ == "__main__":
     main()

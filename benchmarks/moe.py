@@ -7,7 +7,8 @@ the default dispatch ("auto": grouped in training; at fp32 CPU inference the pac
 pays, AVX-512 CPUs, else grouped); MoE with
 grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
 reference (a boolean mask per expert over all tokens); moe-unpadded: "auto" without padding each expert's rows to
-a multiple of 32 in the packed loop of inference (`experts.ROW_MULTIPLE`: oneDNN compiles a kernel per matmul shape). Repetitions
+a multiple of 32 in the packed loop of inference and the bf16 grouped matmuls of training (`experts.ROW_MULTIPLE`:
+oneDNN compiles a kernel per matmul shape). Repetitions
 are interleaved across variants so that load changes on a shared machine hit every variant alike; medians are
 reported. Training repeats one batch unless `--vary` draws a new one (new lengths, new expert loads) for each
 repetition, as real training does.
@@ -26,7 +27,8 @@ with and without the optimizer, whose work grows with the parameter count (4x de
 MoE layers) rather than with the dispatch. A training step is the one `moembed train` takes: the optimizer of
 `moembed.train.optim` (AdamW, fused where torch has the kernel; torch's default multi-tensor AdamW charged the
 MoE's 4x expert parameters several passes over their state each step) in the process settings the command trains
-with (`moembed.heap`: mimalloc, huge pages for large buffers, idle OpenMP workers asleep; MOEMBED_ALLOCATOR=system
+with (`moembed.heap`: mimalloc, huge pages for large buffers, idle OpenMP workers asleep, oneDNN's primitive cache at
+training's size; MOEMBED_ALLOCATOR=system
 keeps glibc's malloc). Encoding runs in the same process; `moembed encode` keeps glibc and OpenMP's default wait
 policy, which measured the same for encoding (BENCHMARKS.md, "MoE dispatch against its FLOP floor").
 """
@@ -161,7 +163,7 @@ def _build(variant: str, dense: Embedder) -> Embedder:
     if variant == "moe-top1":
         return upcycle(dense, num_experts=8, top_k=1, every=2)
     m = upcycle(dense, num_experts=8, top_k=2, every=2)
-    if variant == "moe-unpadded":  # auto, experts' rows never padded (experts.ROW_MULTIPLE)
+    if variant == "moe-unpadded":  # auto, experts' rows never padded (experts.ROW_MULTIPLE), training's neither
         for blk in m.modules():
             if isinstance(blk, Experts):
                 blk.row_multiple = 1

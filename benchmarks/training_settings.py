@@ -7,6 +7,9 @@ Settings (each read once, when a process starts or torch loads, so the two canno
     wait-policy  OpenMP's default wait policy against OMP_WAIT_POLICY=PASSIVE ("Idle OpenMP workers asleep in
                  training")
     allocator    glibc's malloc (MOEMBED_ALLOCATOR=system) against mimalloc preloaded ("Training on mimalloc")
+    primitive-cache  oneDNN's primitive cache capped at 64 against the training cap (moembed.heap)
+    grouped-rows     the MoE experts' grouped matmuls unpadded against rows padded per expert (Experts.grouped_rows)
+    grouped-rows-cache  both: unpadded and capped at 64 against padded and the training cap
 
 Builds the quickstart's data, curated pools and starting models in `--work` once (shared with
 benchmarks/recompute.py), then trains the dense or MoE model as `moembed quickstart` does for `--steps` steps, in
@@ -30,10 +33,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+GROUPED_ROWS = "EXPERT_GEMM_ROWS"  # read by the child only: Experts.row_multiple for its run
+
 # setting: (environment of the "off" run, of the "on" run); None removes the variable
 SETTINGS = {
     "wait-policy": ({"OMP_WAIT_POLICY": None}, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "allocator": ({"MOEMBED_ALLOCATOR": "system"}, {"MOEMBED_ALLOCATOR": None}),
+    "primitive-cache": ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": None}),
+    "grouped-rows": ({GROUPED_ROWS: "1"}, {GROUPED_ROWS: None}),
+    "grouped-rows-cache": ({GROUPED_ROWS: "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"},
+                           {GROUPED_ROWS: None, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": None}),
 }
 
 
@@ -48,6 +57,10 @@ def child(work: Path, kind: str, steps: int, setting: str) -> None:
     from moembed.recipes import training
     from moembed.train.loop import train
 
+    if GROUPED_ROWS in os.environ:
+        from moembed.model.experts import Experts
+
+        Experts.row_multiple = int(os.environ[GROUPED_ROWS])
     qs = prepare(work, None)
     cfg = training.train_config(qs, kind).model_copy(update={"steps": steps, "output_dir": str(run_dir(work, kind))})
     train(cfg)

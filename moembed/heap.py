@@ -17,8 +17,12 @@ oneDNN (the packed float32 linear layers and experts of CPU inference, where pac
 per matmul shape it has seen, up to 1,024 by default, each with its own buffers. An MoE layer's experts see a new
 token count almost every batch, so a process encoding with an MoE model grew from 1.1 to 2.0 GiB over 12 passes of
 the same texts; with the cache capped at 64 it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP
-floor"). oneDNN reads the cap once, when it makes its first primitive, so the `moembed` command sets it on start; a
-program using the library sets ONEDNN_PRIMITIVE_CACHE_CAPACITY itself before its first model runs.
+floor"). Training commands keep 512 instead: in bf16 on a CPU a step runs every expert's matmuls in six shapes
+(fc1 and fc2; forward, input and weight gradients) per row count, its rows padded so that the counts recur
+(`moembed.model.experts.ROW_MULTIPLE`), some hundreds of shapes in all; at 64 each was made again every step, about
+0.4 ms apiece. The quickstart's MoE finetuning took 0.89x the CPU time for 5% more peak memory at 512 (0.95x, +9% at
+1,024; 0.98x at 256). oneDNN reads the cap once, when it makes its first primitive, so the `moembed` command sets it
+on start; a program using the library sets ONEDNN_PRIMITIVE_CACHE_CAPACITY itself before its first model runs.
 
 The fixed threshold's price is page faults on fresh memory, 4 KiB at a time. PyTorch's THP_MEM_ALLOC_ENABLE=1
 aligns its buffers of 2 MiB and more to huge pages and asks the kernel for them (madvise), 512 times fewer faults:
@@ -38,7 +42,7 @@ showed no gain, so inference commands keep OpenMP's default. OpenMP reads the po
 command sets it before importing torch.
 
     process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);
-                          training: OMP_WAIT_POLICY = PASSIVE
+                          training: OMP_WAIT_POLICY = PASSIVE, the cache at TRAINING_PRIMITIVE_CACHE
     configure_process()   set those the user has not, as the `moembed` command does on start
 
 Training commands run on mimalloc (Leijen et al. 2019), not glibc's malloc. With the threshold fixed, every
@@ -70,6 +74,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 THRESHOLD = 1 << 20  # bytes: tensors of a few thousand floats and more are mmapped and returned on free
 CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own rule stops raising the threshold
 PRIMITIVE_CACHE = 64  # oneDNN primitives kept: a batch's worth of expert and dense matmul shapes
+TRAINING_PRIMITIVE_CACHE = 512  # training: the padded expert shapes of bf16 steps (above)
 ALLOCATOR = "MOEMBED_ALLOCATOR"  # "system": training commands keep the C library's malloc
 
 
@@ -178,7 +183,7 @@ def process_settings(training: bool = False) -> dict[str, str]:
     """The environment a process that moembed owns runs with: oneDNN's primitive cache capped, (on Linux, where
     the kernel has transparent huge pages) PyTorch's large buffers on huge pages, and for `training` OpenMP's
     idle workers asleep rather than spinning."""
-    settings = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(PRIMITIVE_CACHE)}
+    settings = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(TRAINING_PRIMITIVE_CACHE if training else PRIMITIVE_CACHE)}
     if sys.platform.startswith("linux"):
         settings["THP_MEM_ALLOC_ENABLE"] = "1"
     if training:

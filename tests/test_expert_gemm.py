@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-from expert_gemm import grouped, loop, operands, wide  # noqa: E402
+from expert_gemm import grouped, loop, measure, operands, wide  # noqa: E402
 
 
 def test_grouped_and_loop_agree_and_wide_matches_their_flops():
@@ -33,3 +33,19 @@ def test_grouped_and_loop_agree_and_wide_matches_their_flops():
     # fc1 + fc2 multiply-adds: every assignment through one expert = every token through the twice-as-wide MLP
     experts = sum(loads) * (8 * 16 + 16 * 8)
     assert o["xw"].shape[0] * (8 * o["ww1"].shape[0] + o["ww2"].shape[1] * 8) == experts
+
+
+def test_split_phases_compute_what_they_are_named_for():
+    """--split's phases: `frozen` computes the input's gradient only, `forward` no gradient at all, and afterwards
+    the operands are left as `step` needs them. (Each variant's run starts from cleared gradients, so the operands
+    hold the last one's, the loop's: x, w1, w2.)"""
+    torch.manual_seed(0)
+    o = operands([3, 1, 4, 0], d=8, i=16, dtype=torch.float32, device=torch.device("cpu"))
+    fns = {"wide": wide, "grouped": grouped, "loop": loop}
+    med, paired = measure(fns, [o], "frozen", reps=1, device=torch.device("cpu"), j=1)
+    assert set(med) == set(fns) and paired > 0
+    assert o["x"].grad is not None and o["w1"].grad is None and o["w2"].grad is None
+    measure(fns, [o], "forward", reps=1, device=torch.device("cpu"), j=1)
+    assert o["x"].grad is None
+    measure(fns, [o], "step", reps=1, device=torch.device("cpu"), j=1)
+    assert all(o[k].grad is not None for k in ("x", "w1", "w2"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moembed.heap import PRIMITIVE_CACHE, _glibc
+from moembed.heap import PRIMITIVE_CACHE, TRAINING_PRIMITIVE_CACHE, _glibc
 
 # Allocate and free a 4 MiB block, then allocate another: report whether the second was mmapped (mallinfo2's
 # count of mmapped blocks goes up while it is held). glibc's default raises its threshold to 4 MiB on the first
@@ -133,17 +133,18 @@ def test_the_command_sets_the_allocator_before_torch_loads(user):
     assert got["thp"] == user.get("THP_MEM_ALLOC_ENABLE", "1")
 
 
-@pytest.mark.parametrize("command, user, expected", [
-    ("train", {}, "PASSIVE"),
-    ("quickstart", {}, "PASSIVE"),
-    ("encode", {}, None),  # inference keeps OpenMP's default: no gain measured there
-    ("serve", {}, None),
-    ("train", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),  # the user's own choice is kept
+@pytest.mark.parametrize("command, user, expected, cap", [
+    ("train", {}, "PASSIVE", TRAINING_PRIMITIVE_CACHE),
+    ("quickstart", {}, "PASSIVE", TRAINING_PRIMITIVE_CACHE),
+    ("encode", {}, None, PRIMITIVE_CACHE),  # inference keeps OpenMP's default: no gain measured there
+    ("serve", {}, None, PRIMITIVE_CACHE),
+    ("train", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE", TRAINING_PRIMITIVE_CACHE),  # the user's own choice is kept
 ])
-def test_training_commands_put_idle_openmp_workers_to_sleep(command, user, expected):
+def test_training_commands_put_idle_openmp_workers_to_sleep_and_keep_more_primitives(command, user, expected, cap):
     got = cli_env(command, user)
     assert got["torch_before_main"] is False  # OpenMP reads the policy when torch loads it
     assert got["wait"] == expected
+    assert got["cap"] == str(cap)  # training: the padded expert shapes of a step (moembed.model.experts)
 
 
 def test_configure_process_sets_only_what_the_user_has_not(monkeypatch):

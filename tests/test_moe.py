@@ -148,6 +148,41 @@ def test_bf16_autocast_grouped_matches_loop():
     assert outs["grouped"].abs().max() > 0
 
 
+def test_bf16_grouped_training_pads_each_expert_and_keeps_values_and_gradients(monkeypatch):
+    """On a CPU in bf16 the grouped matmuls run on slices padded to `row_multiple` rows (oneDNN makes a kernel per
+    shape): the padded run gives the unpadded run's outputs and gradients, and its matmuls saw only whole multiples."""
+    torch.manual_seed(4)
+    blk = MoEBlock(block_config("gelu", True, num_experts=4, top_k=2))
+    with torch.no_grad():
+        blk.experts.fc1_bias.normal_()
+        blk.experts.fc2_bias.normal_()
+    blk.dispatch_mode = "grouped"
+    x0 = torch.randn(37, 32)
+    seen, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: seen.append(offs.tolist()) or real(a, b, offs=offs))
+
+    def run(rows: int):
+        blk.experts.row_multiple = rows
+        blk.zero_grad()
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = blk(x)[0]
+        assert blk.last_dispatch == "grouped"
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        return y.float(), x.grad, blk.experts.fc1_weight.grad, blk.experts.fc2_bias.grad
+
+    plain = run(1)
+    assert any(o % 8 for offs in seen for o in offs)  # uneven slices (8: the smallest alignment _grouped_mm needs)
+    seen.clear()
+    padded = run(8)
+    assert seen and all(o % 8 == 0 for offs in seen for o in offs)  # every slice padded to whole multiples
+    assert seen[0][-1] > x0.shape[0] * 2  # padding rows were added
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    blk.experts.row_multiple = 8
+    assert blk.experts.grouped_rows(x0.bfloat16()) == 8 and blk.experts.grouped_rows(x0) == 1  # float32: never
+
+
 @pytest.mark.skipif(not bf16_packing_enabled(), reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
 def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch():
     torch.manual_seed(3)

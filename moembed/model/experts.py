@@ -12,6 +12,9 @@ expert, it runs them:
     int8_loop     CPU inference after `linear.quantize_int8`: int8 weights, per-row quantised activations
     padded        fixed-capacity (E, C, d) batched matmuls (`MoEConfig.capacity_factor`)
 
+`packed_loop`, and `grouped` in bf16 on a CPU, pad each expert's rows to a multiple of `ROW_MULTIPLE`: there the
+matmul kernel is made per shape.
+
 Which one runs is the block's choice (`MoEBlock.compute`); every one gives the same result up to rounding.
 """
 
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from moembed.model.activations import MLP_ACTIVATIONS
 from moembed.model.linear import (
     cached,
+    fastpaths_off,
     inference_pass,
     int8_linear,
     int8_weights,
@@ -40,8 +44,11 @@ from moembed.model.recompute import then_recomputed
 # and an expert sees a new row count almost every batch. The packed expert loop of CPU inference pads each expert's
 # rows to a multiple of this, so that the shapes recur: an MoE block on 60 batches of random size took 0.60 s
 # instead of 0.91 s in bf16 and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "On an AVX-512 BF16 / VNNI
-# CPU"), for at most 31 wasted rows per expert. Padding bf16 grouped matmuls in training the same way gained
-# nothing (0.99x the step time with new batches every step), so training is not padded.
+# CPU"), for at most 31 wasted rows per expert. Grouped matmuls in bf16 on a CPU (training) are padded the same way
+# (`Experts.grouped_rows`; torch runs each group as a oneDNN matmul, float32 ones go to a BLAS without per-shape
+# kernels). That pays only with oneDNN's cache large enough for a step's shapes: with it, training processes'
+# (moembed.heap.TRAINING_PRIMITIVE_CACHE), an upcycled MiniLM's bf16 step took 0.90x the CPU time (BENCHMARKS.md,
+# "bf16 training dispatch"); at the cap of 64 that inference uses, padding gained nothing (0.99x).
 ROW_MULTIPLE = 32
 
 
@@ -103,6 +110,22 @@ def grouped_support(device: torch.device, dtype: torch.dtype) -> GroupedSupport:
     return _grouped_support(device.type, device.index, dtype)
 
 
+def padded_positions(sizes: list[int], padded: list[int], device: torch.device) -> torch.Tensor:
+    """Where each row of consecutive slices of `sizes` rows lands when every slice is padded to `padded` rows."""
+    shift = [p0 - s0 for p0, s0 in zip(_starts(padded), _starts(sizes))]  # how far each slice moves
+    m = sum(sizes)
+    return torch.arange(m, device=device) + torch.tensor(shift, device=device).repeat_interleave(
+        torch.tensor(sizes, device=device), output_size=m)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
 class _CastOnce(torch.autograd.Function):
     """Identity onto a cast made earlier: forward returns `cast[0]` (= w.to(dtype)), backward the gradient cast back
     to w's dtype, as the backward of `w.to(dtype)`. Lets a cached cast enter the graph of each pass."""
@@ -148,7 +171,7 @@ class Experts(nn.Module):
     """
 
     int8 = False  # set by `moembed.model.linear.quantize_int8`
-    row_multiple = ROW_MULTIPLE  # rows per expert padded to a multiple of this in `packed_loop` (1: never)
+    row_multiple = ROW_MULTIPLE  # rows per expert padded to a multiple of this on a CPU (1: never)
     recompute_act = False  # keep fc1's output, not the activation's, for backward (moembed.model.recompute)
 
     def __init__(self, num_experts: int, d: int, i: int, kind: str, bias: bool):
@@ -270,6 +293,12 @@ class Experts(nn.Module):
         return cached(self, "cast-node", key + grads,
                       lambda: tuple(None if w is None else _CastOnce.apply(w, (c,)) for w, c in zip(params, casts)))
 
+    def grouped_rows(self, x: torch.Tensor) -> int:
+        """Rows per expert are padded to a multiple of this in `grouped` (1: not padded): on a CPU in reduced
+        precision, where torch runs each group's matmul as a oneDNN primitive made for its shape (see ROW_MULTIPLE)."""
+        reduced = x.dtype in (torch.bfloat16, torch.float16)
+        return self.row_multiple if x.device.type == "cpu" and reduced and not fastpaths_off() else 1
+
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Same as `loop` with two grouped matmuls (torch._grouped_mm) in `dtype`; None when the operands' layout
         does not suit the kernel (strides must be multiples of 16 bytes), so that the caller takes the loop."""
@@ -278,8 +307,13 @@ class Experts(nn.Module):
         xc = x.to(dtype)
         if not grouped_mm_aligned(xc, w1, w2):  # w2's strides cover act(h)'s
             return None
-        offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's slice
-        sizes = counts.tolist()
+        sizes, rows = counts.tolist(), self.grouped_rows(xc)
+        if rows > 1:  # each slice padded with zero rows, dropped from the output (their gradients are zero)
+            padded = [-(-n // rows) * rows for n in sizes]
+            dest = padded_positions(sizes, padded, x.device)  # (M,) row of each sorted row in the padded layout
+            xc = xc.new_zeros(sum(padded), xc.shape[1]).index_copy(0, dest, xc)  # (M', d)
+            sizes = padded
+        offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)  # (E,) end of each expert's slice
         h = torch._grouped_mm(xc, w1, offs=offs)  # (M, r)
         if b1 is not None:
             h = _SegmentBias.apply(h, b1, sizes)
@@ -287,7 +321,7 @@ class Experts(nn.Module):
                             self.recompute_act)
         if b2 is not None:
             y = _SegmentBias.apply(y, b2, sizes)
-        return y
+        return y if rows == 1 else y.index_select(0, dest)  # (M, d)
 
     def padded(self, buf: torch.Tensor) -> torch.Tensor:
         """Fixed-shape batched experts: buf (E, C, d) → (E, C, d)."""
