@@ -191,7 +191,7 @@ def test_decisions_warn_when_the_data_is_too_small_for_moe(tmp_path):
     assert "too small for the MoE" in d["warning"] and "§7.2" in d["warning"] and "80 training pairs" in d["warning"]
     text = _decision_lines(d)
     for part in ("train 90 documents / 180 pairs", "test 5 / 10", "a 60/100 (60%)", "b 20/80 (25%)",
-                 "negatives per query: 3.5", "50 steps × batch 16", "learning rate 3e-05"):
+                 "negatives per query: 3.5", "50 steps × batch 16", "learning rate 5e-05"):
         assert part in text, part
     stages["curate"]["train_sources"] = {"a": MOE_DATA_SCALE}
     assert "warning" not in decisions(qs, stages)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -46,9 +47,10 @@ from moembed.model.recompute import then_recomputed
 # instead of 0.91 s in bf16 and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "On an AVX-512 BF16 / VNNI
 # CPU"), for at most 31 wasted rows per expert. Grouped matmuls in bf16 on a CPU (training) are padded the same way
 # (`Experts.grouped_rows`; torch runs each group as a oneDNN matmul, float32 ones go to a BLAS without per-shape
-# kernels). That pays only with oneDNN's cache large enough for a step's shapes: with it, training processes'
-# (moembed.heap.TRAINING_PRIMITIVE_CACHE), an upcycled MiniLM's bf16 step took 0.90x the CPU time (BENCHMARKS.md,
-# "bf16 training dispatch"); at the cap of 64 that inference uses, padding gained nothing (0.99x).
+# kernels). That pays only with oneDNN's cache large enough for a step's shapes, training processes'
+# (moembed.heap.TRAINING_PRIMITIVE_CACHE): with both the experts' bf16 matmuls took 1.09x instead of 1.31x the
+# FLOP-matched wide MLP's time and the quickstart's MoE finetuning 0.89-0.95x its CPU time (BENCHMARKS.md, "A oneDNN
+# kernel per matmul shape in bf16 training"); at the cap of 64 that inference keeps, padding gained nothing (0.99x).
 ROW_MULTIPLE = 32
 
 
@@ -112,18 +114,10 @@ def grouped_support(device: torch.device, dtype: torch.dtype) -> GroupedSupport:
 
 def padded_positions(sizes: list[int], padded: list[int], device: torch.device) -> torch.Tensor:
     """Where each row of consecutive slices of `sizes` rows lands when every slice is padded to `padded` rows."""
-    shift = [p0 - s0 for p0, s0 in zip(_starts(padded), _starts(sizes))]  # how far each slice moves
-    m = sum(sizes)
+    shift = [p0 - s0 for p0, s0 in zip(accumulate(padded, initial=0), accumulate(sizes, initial=0))][:-1]
+    m = sum(sizes)  # each slice moves by `shift` rows
     return torch.arange(m, device=device) + torch.tensor(shift, device=device).repeat_interleave(
         torch.tensor(sizes, device=device), output_size=m)
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in sizes:
-        out.append(total)
-        total += n
-    return out
 
 
 class _CastOnce(torch.autograd.Function):
