@@ -181,6 +181,8 @@ def test_bf16_grouped_training_pads_each_expert_and_keeps_values_and_gradients(m
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     blk.experts.row_multiple = 8
     assert blk.experts.grouped_rows(x0.bfloat16()) == 8 and blk.experts.grouped_rows(x0) == 1  # float32: never
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
+    assert blk.experts.grouped_rows(x0.bfloat16()) == 1  # every CPU fast path off
 
 
 @pytest.mark.skipif(not bf16_packing_enabled(), reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")

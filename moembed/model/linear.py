@@ -71,7 +71,8 @@ def fastpath_enabled() -> bool:
 
 
 def fastpaths_off() -> bool:
-    """MOEMBED_NO_FASTPATH=1: every CPU fast path off (packing, packed bf16, attention's float32 in bf16 training)."""
+    """MOEMBED_NO_FASTPATH=1: every CPU fast path off (packing, packed bf16, attention's float32 in bf16 training,
+    padded expert rows in bf16 grouped matmuls)."""
     return os.environ.get("MOEMBED_NO_FASTPATH", "") == "1"
 
 
