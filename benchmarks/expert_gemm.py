@@ -151,5 +151,6 @@ def measure(fns: dict, sets: list[dict], phase: str, reps: int, device: torch.de
     med = {k: statistics.median(v) for k, v in times.items()}
     return med, statistics.median(g / w for g, w in zip(times["grouped"], times["wide"]))
 
+
 if __name__ == "__main__":
     main()

@@ -8,10 +8,9 @@ pays, AVX-512 CPUs, else grouped); MoE with
 grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
 reference (a boolean mask per expert over all tokens); moe-unpadded: "auto" without padding each expert's rows to
 a multiple of 32 in the packed loop of inference and the bf16 grouped matmuls of training (`experts.ROW_MULTIPLE`:
-oneDNN compiles a kernel per matmul shape). Repetitions
-are interleaved across variants so that load changes on a shared machine hit every variant alike; medians are
-reported. Training repeats one batch unless `--vary` draws a new one (new lengths, new expert loads) for each
-repetition, as real training does.
+oneDNN compiles a kernel per matmul shape). Repetitions are interleaved across variants so that load changes on a
+shared machine hit every variant alike; medians are reported. Training repeats one batch unless `--vary` draws a new
+one (new lengths, new expert loads) for each repetition, as real training does.
 
 Three controls put the MoE figures in context:
 - dense-wide: the dense model with the MLPs of layers 2/4/6 twice as wide (i = 3,072). It does exactly the
@@ -28,9 +27,9 @@ MoE layers) rather than with the dispatch. A training step is the one `moembed t
 `moembed.train.optim` (AdamW, fused where torch has the kernel; torch's default multi-tensor AdamW charged the
 MoE's 4x expert parameters several passes over their state each step) in the process settings the command trains
 with (`moembed.heap`: mimalloc, huge pages for large buffers, idle OpenMP workers asleep, oneDNN's primitive cache at
-training's size; MOEMBED_ALLOCATOR=system
-keeps glibc's malloc). Encoding runs in the same process; `moembed encode` keeps glibc and OpenMP's default wait
-policy, which measured the same for encoding (BENCHMARKS.md, "MoE dispatch against its FLOP floor").
+training's size; MOEMBED_ALLOCATOR=system keeps glibc's malloc). Encoding runs in the same process; `moembed encode`
+keeps glibc and OpenMP's default wait policy, which measured the same for encoding (BENCHMARKS.md, "MoE dispatch
+against its FLOP floor").
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GROUPED_ROWS = "EXPERT_GEMM_ROWS"  # read by the child only: Experts.row_multiple for its run
+GROUPED_ROWS = "EXPERT_ROW_MULTIPLE"  # read by the child only: Experts.row_multiple for its run
 
 # setting: (environment of the "off" run, of the "on" run); None removes the variable
 SETTINGS = {
