@@ -10,6 +10,7 @@ Settings (each read once, when a process starts or torch loads, so the two canno
     primitive-cache  oneDNN's primitive cache capped at 64 against the training cap (moembed.heap)
     grouped-rows     the MoE experts' grouped matmuls unpadded against rows padded per expert (Experts.grouped_rows)
     grouped-rows-cache  both: unpadded and capped at 64 against padded and the training cap
+    purge-delay  mimalloc returning freed pages after its own 10 ms against moembed.heap.PURGE_DELAY_MS
 
 Builds the quickstart's data, curated pools and starting models in `--work` once (shared with
 benchmarks/recompute.py), then trains the dense or MoE model as `moembed quickstart` does for `--steps` steps, in
@@ -43,6 +44,7 @@ SETTINGS = {
     "grouped-rows": ({GROUPED_ROWS: "1"}, {GROUPED_ROWS: None}),
     "grouped-rows-cache": ({GROUPED_ROWS: "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"},
                            {GROUPED_ROWS: None, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": None}),
+    "purge-delay": ({"MIMALLOC_PURGE_DELAY": "10"}, {"MIMALLOC_PURGE_DELAY": None}),
 }
 
 

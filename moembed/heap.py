@@ -55,6 +55,15 @@ launcher does for jemalloc; MOEMBED_ALLOCATOR=system or a user's own LD_PRELOAD 
 finetuning (2 threads, AVX2 EPYC, 6 pairs of fresh runs) took 0.97x the CPU time at the same peak, with half the
 page faults (BENCHMARKS.md, "Training on mimalloc").
 
+mimalloc's own delay before it returns freed pages is 10 ms, shorter than a training step: buffers freed in one step
+and wanted again in the next — above all the weight gradients, which `zero_grad(set_to_none=True)` frees at the
+start of every step and backward makes again at its end, 4x the FLOP-matched dense model's in an MoE — were returned
+and faulted in again (zeroed by the kernel, huge pages included) every step. The MoE experts' matmuls of a training
+step (`benchmarks/expert_gemm.py`'s, gradients freed between steps, 1 thread, AMD EPYC Zen 4) took 0.46 s of system
+time against the wide MLP's 0.03 s, the whole of their excess over it; with the delay at `PURGE_DELAY_MS` (10 s)
+none (BENCHMARKS.md, "Freed pages kept for the next step"). Memory a stage leaves behind is still returned at once
+by `release_free_heap`, and a user's own MIMALLOC_PURGE_DELAY is kept.
+
     mimalloc_library()    the installed library's path, or None
     allocator()           the allocator this process runs on: "mimalloc" or "system"
     preload_environment() the environment to start a training command again with, or None to run it as it is
@@ -76,6 +85,7 @@ CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its ow
 PRIMITIVE_CACHE = 64  # oneDNN primitives kept: a batch's worth of expert and dense matmul shapes
 TRAINING_PRIMITIVE_CACHE = 512  # training: the padded expert shapes of bf16 steps (above)
 ALLOCATOR = "MOEMBED_ALLOCATOR"  # "system": training commands keep the C library's malloc
+PURGE_DELAY_MS = 10_000  # mimalloc keeps freed pages this long before returning them: longer than a step (above)
 
 
 def _glibc():
@@ -131,7 +141,7 @@ def preload_environment(training: bool, environ: dict[str, str] | None = None) -
     library = mimalloc_library()
     if library is None:
         return None
-    return {**env, "LD_PRELOAD": library, ALLOCATOR: "mimalloc"}
+    return {"MIMALLOC_PURGE_DELAY": str(PURGE_DELAY_MS), **env, "LD_PRELOAD": library, ALLOCATOR: "mimalloc"}
 
 
 def start_on_mimalloc(argv: list[str], training: bool = True) -> None:

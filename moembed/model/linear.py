@@ -324,7 +324,7 @@ class Linear(nn.Linear):
                 self.__dict__["last_path"] = "int8"
                 w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
                 y = int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
-                return F.gelu(y) if gelu else y
+                return torch.ops.aten.gelu_(y) if gelu else y  # in place: y is this call's own buffer
             dtype = packed_dtype(self, x)
             if dtype is not None:
                 self.__dict__["last_path"] = "packed" if dtype == torch.float32 else "packed-bf16"

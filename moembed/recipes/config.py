@@ -93,7 +93,7 @@ class QuickTrain(_Strict):
     steps: int = Field(120, ge=1)
     batch_size: int = Field(32, ge=2)  # global: all processes together
     hard_negatives: int = Field(1, ge=0)
-    lr: float = Field(5e-5, gt=0)  # at 120 steps: dense as 200 at 3e-5, MoE 0.2-0.3 lower (BENCHMARKS.md)
+    lr: float = Field(5e-5, gt=0)  # at 120 steps, 4 seeds: dense as 200 at 3e-5, MoE 0.13 lower (BENCHMARKS.md)
     warmup_steps: int = Field(20, ge=0)
     temperature: float = Field(0.05, gt=0)
     matryoshka_dims: list[int] | None = None  # None: the base's width, 2/3 and 1/3 of it (384/256/128 for MiniLM)
