@@ -85,6 +85,7 @@ CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its ow
 PRIMITIVE_CACHE = 64  # oneDNN primitives kept: a batch's worth of expert and dense matmul shapes
 TRAINING_PRIMITIVE_CACHE = 512  # training: the padded expert shapes of bf16 steps (above)
 ALLOCATOR = "MOEMBED_ALLOCATOR"  # "system": training commands keep the C library's malloc
+PURGE_DELAY = "MIMALLOC_PURGE_DELAY"  # mimalloc's option, read when the library loads
 PURGE_DELAY_MS = 10_000  # mimalloc keeps freed pages this long before returning them: longer than a step (above)
 
 
@@ -141,7 +142,7 @@ def preload_environment(training: bool, environ: dict[str, str] | None = None) -
     library = mimalloc_library()
     if library is None:
         return None
-    return {"MIMALLOC_PURGE_DELAY": str(PURGE_DELAY_MS), **env, "LD_PRELOAD": library, ALLOCATOR: "mimalloc"}
+    return {PURGE_DELAY: str(PURGE_DELAY_MS), **env, "LD_PRELOAD": library, ALLOCATOR: "mimalloc"}
 
 
 def start_on_mimalloc(argv: list[str], training: bool = True) -> None:

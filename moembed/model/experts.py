@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moembed.model.activations import MLP_ACTIVATIONS
+from moembed.model.activations import INPLACE_ACTIVATIONS, MLP_ACTIVATIONS
 from moembed.model.linear import (
     cached,
     fastpaths_off,
@@ -241,7 +241,7 @@ class Experts(nn.Module):
             pairs += [(self.fc1_weight[e], b1[e]), (self.fc2_weight[e], b2[e])]
             amax += [stats[0], stats[1][e]]
         w = int8_weights(self, pairs, amax)
-        act = torch.ops.aten.gelu_ if self.kind == "gelu" else self.act  # in place on int8_linear's own buffer
+        act = INPLACE_ACTIVATIONS.get(self.kind, self.act)  # on int8_linear's own buffer
         out = [int8_linear(act(int8_linear(p, w[2 * e])), w[2 * e + 1])
                for e, p in enumerate(torch.split(x, counts.tolist())) if p.shape[0]]
         return torch.cat(out or [x[:0]])

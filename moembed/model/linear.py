@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moembed.model.activations import INPLACE_ACTIVATIONS
+
 _HAS_PACKED = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
@@ -324,7 +326,7 @@ class Linear(nn.Linear):
                 self.__dict__["last_path"] = "int8"
                 w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
                 y = int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
-                return torch.ops.aten.gelu_(y) if gelu else y  # in place: y is this call's own buffer
+                return INPLACE_ACTIVATIONS["gelu"](y) if gelu else y  # y: this call's own buffer
             dtype = packed_dtype(self, x)
             if dtype is not None:
                 self.__dict__["last_path"] = "packed" if dtype == torch.float32 else "packed-bf16"
