@@ -12,8 +12,10 @@ for `--tokens` packed tokens, so an encode ratio can be read against the ceiling
   whichever of the two is moembed's default on this CPU is the baseline of every ratio;
 - bf16 `F.linear` on bf16 weights and inputs (the matmul bf16 autocast runs);
 - bf16 `Linear` under autocast on oneDNN-packed bf16 weights (moembed's bf16 inference path where bf16 is native);
-- int8 GEMM alone (CPU: fbgemm's kernel on inputs quantised beforehand; GPU: `torch._int_mm`);
-- int8 `Linear` (moembed's `--dtype int8` path: per-row dynamic quantisation, the GEMM, rescaling, outliers).
+- int8 GEMM alone (CPU: fbgemm's kernel on inputs quantised beforehand, and oneDNN's where the CPU has VNNI;
+  GPU: `torch._int_mm`);
+- int8 `Linear` (moembed's `--dtype int8` path: per-row dynamic quantisation, the GEMM, rescaling, outliers), on
+  the kernel `linear.int8_kernel` picks for this CPU, and on fbgemm's beside it where that is oneDNN's.
 
 Variants run in turn within each repeat (medians over repeats), after a warm-up. On a GPU the moembed `Linear`
 rows are skipped (their fast paths are CPU-only) and times are synchronised.
@@ -42,6 +44,8 @@ from moembed.model.linear import (  # noqa: E402
     fastpath,
     fastpath_enabled,
     int8_available,
+    int8_kernel,
+    pack_int8,
 )
 
 SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
@@ -98,6 +102,16 @@ def variants(tokens: int, device: torch.device) -> dict:
                 torch.ops.quantized.linear(qxs[k], w, 0.05, 128)
 
         out["int8 GEMM alone (fbgemm, static)"] = int8_gemm
+        if int8_kernel() == "onednn":  # oneDNN's u8 x s8 GEMM on codes made beforehand, float32 out
+            q8 = {k: torch.randint(0, 256, (tokens, k), dtype=torch.uint8) for k in (384, 1536)}
+            one = [pack_int8(w, b, None, "onednn") for w, b in weights]
+
+            def onednn_gemm():
+                for w, (k, _) in zip(one, SHAPES):
+                    torch.ops.onednn.qlinear_pointwise(q8[k], 1 / 127, 128, w.packed, w.scale, w.zero, w.bias, 1.0,
+                                                       0, torch.float32, "none", [], "")
+
+            out["int8 GEMM alone (oneDNN, static)"] = onednn_gemm
     elif device.type == "cuda":
         xs8 = {k: torch.randint(-127, 128, (tokens, k), dtype=torch.int8, device=device) for k in (384, 1536)}
         w8 = [torch.randint(-127, 128, (k, n), dtype=torch.int8, device=device) for k, n in SHAPES]
@@ -133,18 +147,21 @@ def variants(tokens: int, device: torch.device) -> dict:
 
             out["bf16 moembed Linear (packed, autocast)"] = packed_bf16_layers
         if int8_available():
-            int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
-            int8_model.load_state_dict(model.state_dict())
-            for layer, (k, _) in zip(int8_model, SHAPES):  # as `quantize_int8` sets up an encoder's layers
-                layer.__dict__["int8_amax"] = xs[k].abs().amax(0)  # (k,) picks the float32 outlier channels
-                layer.__dict__["int8"] = True
+            kernels = [int8_kernel()] + (["fbgemm"] if int8_kernel() == "onednn" else [])
+            for kernel in kernels:
+                int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
+                int8_model.load_state_dict(model.state_dict())
+                for layer, (k, _) in zip(int8_model, SHAPES):  # as `quantize_int8` sets up an encoder's layers
+                    layer.__dict__["int8_amax"] = xs[k].abs().amax(0)  # (k,) picks the float32 outlier channels
+                    layer.__dict__["int8"] = True
+                    layer.__dict__["int8_kernel"] = kernel
 
-            def int8_layers():
-                for layer, (k, _) in zip(int8_model, SHAPES):
-                    layer(xs[k])
-                    assert layer.last_path == "int8"
+                def int8_layers(int8_model=int8_model):
+                    for layer, (k, _) in zip(int8_model, SHAPES):
+                        layer(xs[k])
+                        assert layer.last_path == "int8"
 
-            out["int8 moembed Linear (dynamic)"] = int8_layers
+                out[f"int8 moembed Linear (dynamic, {kernel})"] = int8_layers
     return out
 
 

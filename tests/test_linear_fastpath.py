@@ -19,6 +19,7 @@ from moembed.model.linear import (
     bf16_is_fast,
     fastpath_enabled,
     int8_available,
+    int8_kernel,
     int8_linear,
     pack_int8,
     packing_pays,
@@ -47,6 +48,10 @@ def packed_only(test):
     test = pytest.mark.usefixtures("packing_on")(test)
     return pytest.mark.skipif(not linear._HAS_PACKED, reason="this torch build has no oneDNN packed linear")(test)
 int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build has no x86 quantised kernels")
+# oneDNN's int8 kernel is correct only where VNNI sums u8 x s8 products into 32 bits (`int8_kernel`): its tests run
+# on such CPUs (Zen 4 and 5, AMX Xeons), fbgemm's everywhere.
+onednn_int8_only = pytest.mark.skipif(int8_kernel() != "onednn", reason="no VNNI or no oneDNN int8 kernel here")
+KERNELS = [pytest.param("onednn", marks=onednn_int8_only), "fbgemm"]
 
 
 @packed_only
@@ -157,20 +162,22 @@ def _with_outliers(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @int8_only
-def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel):
     torch.manual_seed(0)
     x, w, b = _with_outliers(64, 96), torch.randn(80, 96) * 0.05, torch.randn(80)
     ref = F.linear(x, w, b)
     amax = x.abs().amax(0)
-    with_outliers = int8_linear(x, pack_int8(w, b, amax))
-    without = int8_linear(x, pack_int8(w, b, None))
+    with_outliers = int8_linear(x, pack_int8(w, b, amax, kernel))
+    without = int8_linear(x, pack_int8(w, b, None, kernel))
     cos = lambda y: F.cosine_similarity(y, ref).min().item()  # noqa: E731
     assert cos(with_outliers) > 0.999
     assert cos(with_outliers) > cos(without)  # the outlier channels are what int8 alone gets wrong
     # Only the outlier channels, in float32: exact up to float32 rounding.
     only = torch.zeros_like(x)
     only[:, [3, 17]] = x[:, [3, 17]]
-    torch.testing.assert_close(int8_linear(only, pack_int8(w, b, amax)), F.linear(only, w, b), atol=1e-4, rtol=1e-4)
+    got = int8_linear(only, pack_int8(w, b, amax, kernel))
+    torch.testing.assert_close(got, F.linear(only, w, b), atol=1e-4, rtol=1e-4)
 
 
 @int8_only
@@ -179,7 +186,7 @@ def test_int8_fixed_grid_kernel_runs_and_equals_the_measured_range_kernel(monkey
     # same scaled rows (a fixed row pins its range), outlier channels beyond 1 included.
     assert linear._fixed_grid_linear is not None  # this torch has it: the fast path is what runs
     x = _with_outliers(33, 96)
-    w = pack_int8(torch.randn(80, 96) * 0.05, torch.randn(80), x.abs().amax(0))
+    w = pack_int8(torch.randn(80, 96) * 0.05, torch.randn(80), x.abs().amax(0), "fbgemm")
     calls = []
     kernel = linear._fixed_grid_linear
     monkeypatch.setattr(linear, "_fixed_grid_linear", lambda *a: calls.append(1) or kernel(*a))
@@ -190,13 +197,70 @@ def test_int8_fixed_grid_kernel_runs_and_equals_the_measured_range_kernel(monkey
 
 
 @int8_only
-def test_int8_rows_are_quantised_each_on_its_own():
+@onednn_int8_only
+def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkeypatch):
+    # oneDNN's kernel against the equation it stands for, in float64: codes q = clamp(round(x_s / s) + 128, 0, 255)
+    # of the scaled rows x_s = x / m on the full grid (s = 1/127), y = m * s * ((q - 128) @ Wqᵀ) * w_scale + b,
+    # plus the outlier channels in float32. Integer sums are exact, so only float32 rounding may differ: a kernel
+    # that saturated 16-bit pair sums (no VNNI) or ran another grid would be off by far more.
+    g = torch.Generator().manual_seed(2)
+    x = _with_outliers(37, 96)
+    weight, bias = torch.randn(80, 96, generator=g) * 0.05, torch.randn(80, generator=g)
+    w = pack_int8(weight, bias, x.abs().amax(0), "onednn")
+    assert w.kernel == "onednn"
+    calls = []
+    kernel = linear._onednn_qlinear
+    monkeypatch.setattr(linear, "_onednn_qlinear", lambda *a: calls.append(1) or kernel(*a))
+    got = int8_linear(x, w)
+    assert calls == [1]  # the oneDNN kernel is what ran
+
+    keep = torch.ones(96, dtype=torch.bool)
+    keep[w.outliers] = False
+    xd, wd = x.double(), weight.double()
+    m = xd[:, keep].abs().amax(1, keepdim=True)  # (N, 1)
+    step, zero = linear.ONEDNN_GRID
+    codes = (torch.round((xd / m).float() / step) + zero).clamp(0, 255).double() - zero  # (N, k), outliers clamped
+    codes[:, ~keep] = 0  # their int8 weights are 0
+    w_scale = (wd[:, keep].float().abs().amax(1) / 127).double()  # (n,)
+    wq = torch.round((wd.float() / w_scale.float()[:, None])).double() * keep  # (n, k)
+    ref = m * step * (codes @ wq.t()) * w_scale + bias.double() + xd[:, ~keep] @ wd[:, ~keep].t()
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@int8_only
+@onednn_int8_only
+def test_onednn_full_grid_is_more_precise_than_fbgemm_reduced_range():
+    # The full 8-bit grid (VNNI CPUs) has about half the rounding step of fbgemm's 7-bit one: a smaller error
+    # against float32 on the same layer.
+    g = torch.Generator().manual_seed(3)
+    x = _with_outliers(256, 384)
+    weight, bias = torch.randn(384, 384, generator=g) / 384**0.5, torch.randn(384, generator=g)
+    ref = F.linear(x, weight, bias)
+    err = {k: ((int8_linear(x, pack_int8(weight, bias, x.abs().amax(0), k)) - ref).norm() / ref.norm()).item()
+           for k in ("onednn", "fbgemm")}
+    assert err["onednn"] < 0.75 * err["fbgemm"], err
+
+
+def test_int8_kernel_needs_vnni():
+    # Full-range u8 x s8 products overflow 16-bit pair sums: oneDNN's kernel only where VNNI or AMX sum into 32 bits.
+    flags = {"avx2": True, "avx512_f": True}
+    assert int8_kernel(flags) == "fbgemm"
+    expected = "onednn" if linear._HAS_ONEDNN_INT8 else "fbgemm"
+    for vnni in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        assert int8_kernel({**flags, vnni: True}) == expected
+    with pytest.raises(ValueError, match="int8 kernel"):
+        quantize_int8(torch.nn.Linear(2, 2), kernel="vnni")
+
+
+@int8_only
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_rows_are_quantised_each_on_its_own(kernel):
     # A row's result must not depend on the other rows of the call (embeddings never depend on the batch):
     # a dynamic range over the whole input would make a small row's grid coarser next to a large one.
     x = _with_outliers(10, 64)
     x[5:] *= 100.0
     g = torch.Generator().manual_seed(1)
-    w = pack_int8(torch.randn(32, 64, generator=g) * 0.1, torch.randn(32, generator=g), x.abs().amax(0))
+    w = pack_int8(torch.randn(32, 64, generator=g) * 0.1, torch.randn(32, generator=g), x.abs().amax(0), kernel)
     batched = int8_linear(x, w)
     for i in range(10):
         # float32 rounding only (the outlier channels' float GEMM runs other kernels for 1 row than for 10); a
@@ -205,10 +269,11 @@ def test_int8_rows_are_quantised_each_on_its_own():
 
 
 @int8_only
-def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, kernel):
     emb = make_tiny("bert", moe=MoEConfig(num_experts=4, top_k=2, every=1, offset=0))
     ref = emb.encode(sentences[:16])
-    q = quantize_int8(copy.deepcopy(emb))
+    q = quantize_int8(copy.deepcopy(emb), kernel=kernel)
     got = q.encode(sentences[:16])
     assert (ref * got).sum(1).min() > 0.99
     linears = [m for m in q.modules() if isinstance(m, Linear)]
@@ -217,6 +282,8 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences):
     assert all(m.last_path == "int8" for m in linears)
     assert all(b.last_dispatch == "int8-loop" for b in blocks)
     assert all(m.__dict__.get("int8_amax") is not None for m in linears)  # outlier channels were measured
+    packed = [m.__dict__["_weight_cache"]["int8"][1] for m in linears + [b.experts for b in blocks]]
+    assert {w.kernel for ws in packed for w in ws} == {kernel}  # every layer and expert ran the kernel asked for
     # Alone or batched, the same text gets (up to rounding) the same embedding.
     alone = np.stack([q.encode([t])[0] for t in sentences[:6]])
     assert (alone * got[:6]).sum(1).min() > 0.9999

@@ -11,9 +11,10 @@ CPU, MOEMBED_NO_FASTPATH=0 on wherever this torch build has it.
 
 **Dynamic int8** (`quantize_int8(model)`): weights are quantised once per output channel to int8 (symmetric), and
 each call quantises every input row to 8 bits with that row's own range ("dynamic" quantisation, so no calibration
-data is needed), multiplies in integers and rescales to float32. It uses torch's x86 quantised kernels
-(fbgemm: VNNI where the CPU has it, AVX2 otherwise) and runs at inference only; training and autograd always see the
-float32 weights, which are kept. Every linear layer and every expert of an MoE block take part.
+data is needed), multiplies in integers and rescales to float32. On CPUs with int8 dot products (AVX-512 VNNI,
+AVX-VNNI, AMX) the matmul is oneDNN's, on the full 8-bit grid; elsewhere (AVX2) fbgemm's, on a 7-bit grid
+(`int8_kernel`). It runs at inference only; training and autograd always see the float32 weights, which are kept.
+Every linear layer and every expert of an MoE block take part.
 
 **Packed bfloat16.** Under bf16 autocast at inference on a CPU with native bf16 matmuls (AVX-512 BF16, AMX), autocast
 would cast every weight to bf16 again on every call and run `addmm` on the stored layout; instead the weight is cast
@@ -74,7 +75,7 @@ def fastpath_enabled() -> bool:
 
 def fastpaths_off() -> bool:
     """MOEMBED_NO_FASTPATH=1: every CPU fast path off (packing, packed bf16, attention's float32 in bf16 training,
-    padded expert rows in bf16 grouped matmuls)."""
+    padded expert rows in bf16 grouped matmuls, oneDNN's int8 matmul)."""
     return os.environ.get("MOEMBED_NO_FASTPATH", "") == "1"
 
 
@@ -183,40 +184,78 @@ def int8_available() -> bool:
 
 OUTLIERS = 8  # input channels per layer kept in float32 (the largest activations; see `pack_int8`)
 
-# The activations' 8-bit grid, (scale, zero point) over [-1, 1] with 7-bit reduced range, as the dynamic kernel
-# would choose for that range: reduced range keeps AVX2's 16-bit pair sums (vpmaddubsw) from saturating.
+# The activations' 8-bit grids over [-1, 1], (scale, zero point) of unsigned 8-bit codes. fbgemm's: 7-bit reduced
+# range, as its dynamic kernel would choose for that range, which keeps AVX2's 16-bit pair sums (vpmaddubsw) from
+# saturating. oneDNN's: the full symmetric range (codes 1..255), half the rounding error; its kernel runs only where
+# VNNI's dot products sum u8 x s8 products straight into 32 bits (`int8_kernel`).
 INT8_GRID = (2.0 / 127, 64)
+ONEDNN_GRID = (1.0 / 127, 128)
 # The fbgemm kernel that takes the grid as given (no range pass); None where this torch lacks it.
 _fixed_grid_linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
+# oneDNN's quantised linear (u8 activations x s8 weights, float32 out); None where this torch lacks it.
+_onednn_qlinear = getattr(torch.ops.onednn, "qlinear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_HAS_ONEDNN_INT8 = _onednn_qlinear is not None and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+def int8_kernel(flags: dict | None = None) -> str:
+    """The int8 matmul for a CPU with features `flags` (this one's by default): "onednn" where it has int8 dot
+    products into 32-bit sums (AVX-512 VNNI, AVX-VNNI, AMX) and this torch build has oneDNN's quantised linear,
+    "fbgemm" otherwise. The two GEMMs alone run alike (3.6x packed float32 on one encoder layer's shapes, Zen 4),
+    but fbgemm's kernel that quantises its own input is slower than torch's quantiser followed by oneDNN's GEMM: the
+    int8 `Linear` runs at 2.23x against 1.96x, and the full 8-bit grid halves the rounding error (BENCHMARKS.md,
+    "int8 on oneDNN"). Without VNNI the kernel would form 16-bit pair sums that full-range codes overflow."""
+    vnni = _VNNI if flags is None else _has_vnni(flags)
+    return "onednn" if vnni and _HAS_ONEDNN_INT8 and not fastpaths_off() else "fbgemm"
+
+
+def _has_vnni(flags: dict) -> bool:
+    return any(flags.get(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+_VNNI = _has_vnni(cpu_flags())  # read once: every int8 layer call asks `int8_kernel`
 
 
 @dataclass
 class Int8Weight:
     """A linear layer's weight for `int8_linear`: int8 apart from a few outlier input channels."""
 
-    packed: object  # fbgemm-packed int8 weight (n, k), one scale per output row, outlier columns zeroed, no bias
+    kernel: str  # "onednn" | "fbgemm" (`int8_kernel`)
+    packed: object  # the int8 weight (n, k) packed for `kernel`, one scale per output row, outlier columns zeroed
+    scale: torch.Tensor | None  # (n,) float32, the rows' scales (oneDNN takes them per call; fbgemm packs them)
+    zero: torch.Tensor | None  # (n,) int32 zeros, the rows' zero points (symmetric), as oneDNN takes them
     outliers: torch.Tensor  # (o,) long, input channels computed in float32
     w_outliers: torch.Tensor  # (o, n) float32, W[:, outliers]ᵀ
     bias: torch.Tensor | None  # (n,)
 
 
-def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor | None) -> Int8Weight:
-    """weight (n, k) → `Int8Weight`. `amax` (k,): the largest |input| seen per input channel (see `quantize_int8`).
+def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor | None,
+              kernel: str | None = None) -> Int8Weight:
+    """weight (n, k) → `Int8Weight` for `kernel` (`int8_kernel()` by default). `amax` (k,): the largest |input|
+    seen per input channel (see `quantize_int8`).
 
     Transformer activations carry a few outlier channels, far larger than the rest on every token; an 8-bit grid
     sized for them leaves the others a handful of levels. The `OUTLIERS` channels with the largest `amax` are
     therefore multiplied in float32 (as LLM.int8()'s mixed-precision decomposition does) and the rest in int8.
     """
+    kernel = kernel or int8_kernel()
     w = weight.detach().float().contiguous()
-    out = torch.zeros(0, dtype=torch.long) if amax is None else amax.topk(min(OUTLIERS, w.shape[1])).indices.sort().values
+    out = torch.zeros(0, dtype=torch.long)
+    if amax is not None:
+        out = amax.topk(min(OUTLIERS, w.shape[1])).indices.sort().values
     w_outliers = w[:, out].t().contiguous()  # (o, n)
     w = w.index_fill(1, out, 0.0)
-    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()  # (n,) symmetric: max |w| of a row ↦ 127
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # (n,) symmetric: max |w| of a row ↦ 127
+    bias = None if bias is None else bias.detach().float()
     with warnings.catch_warnings():  # the eager quantised-tensor API is deprecated; its kernels are not replaced yet
         warnings.simplefilter("ignore")
-        qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        if kernel == "onednn":
+            qw = torch.round(w / scale[:, None]).to(torch.int8)  # (n, k)
+            torch.quantize_per_tensor(w[:1], *ONEDNN_GRID, torch.quint8)  # its one-time deprecation notice, here
+            packed = torch.ops.onednn.qlinear_prepack(qw, None)
+            return Int8Weight(kernel, packed, scale, torch.zeros_like(scale, dtype=torch.int32), out, w_outliers, bias)
+        qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
         packed = torch.ops.quantized.linear_prepack(qw, None)
-    return Int8Weight(packed, out, w_outliers, None if bias is None else bias.detach().float())
+    return Int8Weight(kernel, packed, None, None, out, w_outliers, bias)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -224,16 +263,20 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
     Each row is quantised with its own range (its largest |value| outside the outlier channels), so a text's
     embedding never depends on the other texts of its batch: the rows are divided by that maximum and quantised on
-    one fixed grid over [-1, 1] (`INT8_GRID`), which the kernel takes as given instead of measuring each call's
-    range. The outlier channels of the scaled rows may lie beyond 1: the quantiser clamps them, and their int8
-    weights are 0 (`pack_int8`); their float32 product is added after the rescale.
+    one fixed grid over [-1, 1] (`ONEDNN_GRID`, `INT8_GRID`), which the kernel takes as given instead of measuring
+    each call's range. The outlier channels of the scaled rows may lie beyond 1: the quantiser clamps them, and
+    their int8 weights are 0 (`pack_int8`); their float32 product is added after the rescale.
     """
     xs = x.abs()  # (N, k), then the scaled rows
     if w.outliers.numel():
         xs.index_fill_(1, w.outliers, 0.0)
     m = xs.amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1) (faster than an inf-norm here)
     torch.div(x, m, out=xs)
-    if _fixed_grid_linear is not None:
+    if w.kernel == "onednn":
+        step, zero = ONEDNN_GRID
+        y = _onednn_qlinear(_onednn_codes(xs), step, zero, w.packed, w.scale, w.zero, None, 1.0, 0, torch.float32,
+                            "none", [], "")  # (N, n)
+    elif _fixed_grid_linear is not None:
         y = _fixed_grid_linear(xs, *INT8_GRID, w.packed)  # (N, n)
     else:  # older kernels measure the range: a fixed row (1, -1, 0, ...) makes it [-1, 1] on every call
         fixed = xs.new_zeros(1, xs.shape[1])
@@ -246,11 +289,20 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return y
 
 
+def _onednn_codes(xs: torch.Tensor) -> torch.Tensor:
+    """Scaled rows xs (N, k) → their codes on `ONEDNN_GRID`, (N, k) uint8, in one pass: torch's quantiser (the one
+    fused round-and-clamp it has), its storage then read as the plain uint8 tensor oneDNN's kernel takes (no copy;
+    with `int_repr`'s copy int8 encode cost 1.05x fbgemm's, with a round, clamp and cast in plain ops 1.10-1.16x)."""
+    q = torch.quantize_per_tensor(xs, *ONEDNN_GRID, torch.quint8)
+    return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
+
+
 def int8_weights(module: nn.Module, pairs, amax) -> list[Int8Weight]:
-    """`pack_int8` of `pairs` [(weight (n, k), bias (n,) | None), ...] with `amax` [(k,) | None, ...], cached on
-    `module` until a weight changes."""
-    key = tuple((w.data_ptr(), w._version) for w, _ in pairs)
-    return cached(module, "int8", key, lambda: [pack_int8(w, b, a) for (w, b), a in zip(pairs, amax)])
+    """`pack_int8` of `pairs` [(weight (n, k), bias (n,) | None), ...] with `amax` [(k,) | None, ...] for the
+    module's kernel (`quantize_int8`), cached on `module` until a weight changes."""
+    kernel = module.__dict__.get("int8_kernel") or int8_kernel()
+    key = (kernel, *((w.data_ptr(), w._version) for w, _ in pairs))
+    return cached(module, "int8", key, lambda: [pack_int8(w, b, a, kernel) for (w, b), a in zip(pairs, amax)])
 
 
 @torch.no_grad()
@@ -293,22 +345,27 @@ def _record_expert_amax(block: nn.Module, args) -> None:
     block.experts.record_amax(args[0])
 
 
-def quantize_int8(model: nn.Module, enabled: bool = True) -> nn.Module:
+def quantize_int8(model: nn.Module, enabled: bool = True, kernel: str | None = None) -> nn.Module:
     """Switch every linear layer and MoE expert of an encoder (or Embedder) to int8 at inference (or back,
-    `enabled=False`). Returns `model`.
+    `enabled=False`), on `kernel` ("onednn" | "fbgemm"; `int8_kernel()` by default). Returns `model`.
 
     Weights: int8 with one scale per output row, made on first use and remade after any weight update; the
     float32 weights stay, and training and gradient passes use them. Activations: quantised per row at each call
     (`int8_linear`), apart from the few outlier channels `activation_ranges` finds. Raises RuntimeError when this
-    torch has no x86 quantised kernels.
+    torch has no x86 quantised kernels, ValueError for an unknown kernel.
     """
+    if kernel not in (None, "onednn", "fbgemm"):
+        raise ValueError(f"int8 kernel: expected 'onednn' or 'fbgemm', got {kernel!r}")
     if enabled:
         if not int8_available():
             raise RuntimeError("int8: this torch build has no x86 quantised linear kernels (fbgemm)")
+        if kernel == "onednn" and not _HAS_ONEDNN_INT8:
+            raise RuntimeError("int8: this torch build has no oneDNN quantised linear kernel")
         activation_ranges(model)
     for m in model.modules():
         if hasattr(type(m), "int8"):  # Linear and the MoE blocks' Experts
             m.__dict__["int8"] = enabled
+            m.__dict__["int8_kernel"] = kernel
     return model
 
 
