@@ -253,6 +253,17 @@ def test_int8_kernel_needs_vnni():
 
 
 @int8_only
+def test_onednn_int8_is_refused_without_vnni(make_tiny, monkeypatch):
+    # Asked for by name on a CPU without VNNI, oneDNN's kernel would overflow silently: refused, and nothing switched.
+    emb = make_tiny("bert")
+    monkeypatch.setattr(linear, "_VNNI", False)
+    assert int8_kernel() == "fbgemm"
+    with pytest.raises(RuntimeError, match="VNNI"):
+        quantize_int8(emb, kernel="onednn")
+    assert not any(m.__dict__.get("int8") for m in emb.modules())
+
+
+@int8_only
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_int8_rows_are_quantised_each_on_its_own(kernel):
     # A row's result must not depend on the other rows of the call (embeddings never depend on the batch):

@@ -203,7 +203,8 @@ def int8_kernel(flags: dict | None = None) -> str:
     "fbgemm" otherwise. The two GEMMs alone run alike (3.6x packed float32 on one encoder layer's shapes, Zen 4),
     but fbgemm's kernel that quantises its own input is slower than torch's quantiser followed by oneDNN's GEMM: the
     int8 `Linear` runs at 2.23x against 1.96x, and the full 8-bit grid halves the rounding error (BENCHMARKS.md,
-    "int8 on oneDNN"). Without VNNI the kernel would form 16-bit pair sums that full-range codes overflow."""
+    "int8 on oneDNN where the CPU has VNNI"). Without VNNI its kernel forms 16-bit pair sums that full-range codes
+    overflow."""
     vnni = _VNNI if flags is None else _has_vnni(flags)
     return "onednn" if vnni and _HAS_ONEDNN_INT8 and not fastpaths_off() else "fbgemm"
 
@@ -352,15 +353,17 @@ def quantize_int8(model: nn.Module, enabled: bool = True, kernel: str | None = N
     Weights: int8 with one scale per output row, made on first use and remade after any weight update; the
     float32 weights stay, and training and gradient passes use them. Activations: quantised per row at each call
     (`int8_linear`), apart from the few outlier channels `activation_ranges` finds. Raises RuntimeError when this
-    torch has no x86 quantised kernels, ValueError for an unknown kernel.
+    torch has no x86 quantised kernels or `kernel` is "onednn" where `int8_kernel` would not pick it, ValueError
+    for an unknown kernel.
     """
     if kernel not in (None, "onednn", "fbgemm"):
         raise ValueError(f"int8 kernel: expected 'onednn' or 'fbgemm', got {kernel!r}")
     if enabled:
         if not int8_available():
             raise RuntimeError("int8: this torch build has no x86 quantised linear kernels (fbgemm)")
-        if kernel == "onednn" and not _HAS_ONEDNN_INT8:
-            raise RuntimeError("int8: this torch build has no oneDNN quantised linear kernel")
+        if kernel == "onednn" and not (_HAS_ONEDNN_INT8 and _VNNI):
+            raise RuntimeError("int8: oneDNN's kernel needs a torch build with it and a CPU with VNNI or AMX "
+                               "(elsewhere its 16-bit pair sums would overflow on the full 8-bit grid)")
         activation_ranges(model)
     for m in model.modules():
         if hasattr(type(m), "int8"):  # Linear and the MoE blocks' Experts
