@@ -40,6 +40,24 @@ def test_encode_int8_calibrates_on_input(tiny_dir, tmp_path):
     assert "int8 ranges from 4 calibration texts" in r.stderr
 
 
+def test_encode_dtype_int8_is_close_to_float32_and_names_its_kernel(tiny_dir, tmp_path):
+    from moembed.model.linear import int8_available, int8_kernel
+
+    if not int8_available():
+        pytest.skip("this torch build has no x86 quantised kernels")
+    texts = [f"sentence number {i} about a topic of its own" for i in range(12)]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    out = {}
+    for dtype in ("float32", "int8"):
+        r = run("encode", tiny_dir, "-i", tmp_path / "in.txt", "-o", tmp_path / f"{dtype}.npy", "--plain",
+                "--dtype", dtype)
+        assert r.returncode == 0, r.stderr
+        out[dtype] = np.load(tmp_path / f"{dtype}.npy")
+    assert f"int8 matmuls on {int8_kernel()}" in r.stderr  # the kernel this CPU runs, said once
+    assert (out["float32"] * out["int8"]).sum(1).min() > 0.99
+    assert not np.array_equal(out["float32"], out["int8"])  # int8 did run
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [

@@ -124,12 +124,14 @@ def load_model(job: EncodeJob):
         raise MoembedError(f"--dtype int8: dynamic int8 runs on the CPU only; the device is {device} (use --device cpu)")
     emb = Embedder.load(job.model, max_length=job.max_length)
     if job.dtype == "int8":
-        from moembed.model.linear import quantize_int8
+        from moembed.model.linear import int8_kernel, quantize_int8
 
         try:
             quantize_int8(emb)
         except RuntimeError as e:
             raise MoembedError(f"--dtype int8: {e}") from None
+        grid = "full 8-bit grid" if int8_kernel() == "onednn" else "7-bit grid"
+        log.info("int8 matmuls on %s (%s)", int8_kernel(), grid)
     if job.dim is not None and not 1 <= job.dim <= emb.dim:
         raise MoembedError(f"--dim: {job.dim} is out of range 1..{emb.dim}")
     emb.prefix(job.prompt)  # an unknown prompt name fails before any work
