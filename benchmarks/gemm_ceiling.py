@@ -147,8 +147,7 @@ def variants(tokens: int, device: torch.device) -> dict:
 
             out["bf16 moembed Linear (packed, autocast)"] = packed_bf16_layers
         if int8_available():
-            kernels = [int8_kernel()] + (["fbgemm"] if int8_kernel() == "onednn" else [])
-            for kernel in kernels:
+            for kernel in dict.fromkeys([int8_kernel(), "fbgemm"]):  # this CPU's, and fbgemm's beside oneDNN's
                 int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
                 int8_model.load_state_dict(model.state_dict())
                 for layer, (k, _) in zip(int8_model, SHAPES):  # as `quantize_int8` sets up an encoder's layers

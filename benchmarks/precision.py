@@ -10,9 +10,10 @@ L2 normalisation as sentence-transformers), on the same real texts (`sentences.n
 length-sorted batches. Repeats interleave the variants; prints texts/s (median), process CPU seconds (median),
 the ratios, and the minimum row cosine of every variant against moembed float32. With --suite-dir, also the main
 score of each variant on the dev suite (built there if missing). With --profile N, no timing: torch.profiler's
-operators by self CPU time for each moembed variant over the first N texts (one encode after a warm-up). Prints the CPU's vector extensions, since bf16 and
-int8 speed depends on them. Where int8 runs on oneDNN's kernel (VNNI CPUs, `linear.int8_kernel`), fbgemm's (the
-kernel of CPUs without VNNI) runs beside it as "moembed int8 fbgemm". Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
+operators by self CPU time for each moembed variant over the first N texts (one encode after a warm-up). Prints
+the CPU's vector extensions, since bf16 and int8 speed depends on them. Where int8 runs on oneDNN's kernel (VNNI
+CPUs, `linear.int8_kernel`), fbgemm's (the kernel of CPUs without VNNI) runs beside it as "moembed int8 fbgemm".
+Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
 int8 and onnxruntime are CPU-only; with --device cuda they are left out.
 """
 

@@ -353,8 +353,8 @@ def quantize_int8(model: nn.Module, enabled: bool = True, kernel: str | None = N
     Weights: int8 with one scale per output row, made on first use and remade after any weight update; the
     float32 weights stay, and training and gradient passes use them. Activations: quantised per row at each call
     (`int8_linear`), apart from the few outlier channels `activation_ranges` finds. Raises RuntimeError when this
-    torch has no x86 quantised kernels or `kernel` is "onednn" where `int8_kernel` would not pick it, ValueError
-    for an unknown kernel.
+    torch has no x86 quantised kernels, or `kernel` is "onednn" without oneDNN's kernel or a VNNI/AMX CPU;
+    ValueError for an unknown kernel.
     """
     if kernel not in (None, "onednn", "fbgemm"):
         raise ValueError(f"int8 kernel: expected 'onednn' or 'fbgemm', got {kernel!r}")

@@ -130,8 +130,8 @@ def load_model(job: EncodeJob):
             quantize_int8(emb)
         except RuntimeError as e:
             raise MoembedError(f"--dtype int8: {e}") from None
-        grid = "full 8-bit grid" if int8_kernel() == "onednn" else "7-bit grid"
-        log.info("int8 matmuls on %s (%s)", int8_kernel(), grid)
+        kernel = int8_kernel()
+        log.info("int8 matmuls on %s (%s)", kernel, "full 8-bit grid" if kernel == "onednn" else "7-bit grid")
     if job.dim is not None and not 1 <= job.dim <= emb.dim:
         raise MoembedError(f"--dim: {job.dim} is out of range 1..{emb.dim}")
     emb.prefix(job.prompt)  # an unknown prompt name fails before any work
