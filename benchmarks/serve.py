@@ -4,6 +4,7 @@
     python benchmarks/serve.py                                  # moembed serve and the do-it-yourself baseline
     python benchmarks/serve.py --infinity PATH/TO/infinity_emb  # also infinity-emb (installed in its own venv)
     python benchmarks/serve.py --clients 16 --repeats 5 --requests 200
+    python benchmarks/serve.py --servers moembed moembed-int8 diy   # also `moembed serve --dtype int8`
 
 Each server runs as its own process on a loopback port with the same number of torch threads. A load
 generator (asyncio + httpx) sends a fixed, seeded list of requests from N concurrent clients (1, 16, 64):
@@ -81,9 +82,9 @@ def _free_port() -> int:
 def start(kind: str, model: str, threads: int, infinity: str | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    if kind == "moembed":
+    if kind in ("moembed", "moembed-int8"):
         cmd = [sys.executable, "-m", "moembed.cli.main", "serve", model, "--port", str(port), "--device", "cpu",
-               "--served-model-name", NAME]
+               "--served-model-name", NAME, *(["--dtype", "int8"] if kind == "moembed-int8" else [])]
     elif kind == "diy":
         cmd = [sys.executable, __file__, "--diy-server", str(port), "--model", model]
     else:
@@ -207,7 +208,7 @@ def main() -> None:
                 for s in servers:
                     r = asyncio.run(_load(procs[s][1], requests, c))
                     results[s, c].append(r)
-                    print(f"  repeat {rep + 1} clients {c:>3} {s:<9} {r['rate']:7.1f} texts/s  "
+                    print(f"  repeat {rep + 1} clients {c:>3} {s:<12} {r['rate']:7.1f} texts/s  "
                           f"p50 {r['p50'] * 1e3:7.1f} ms  p99 {r['p99'] * 1e3:7.1f} ms", flush=True)
         queries = [q[0] for q in requests if len(q) == 1][: args.single]
         single, bare = [], []

@@ -48,16 +48,25 @@ def resolve_device(name: str | None) -> torch.device:
 # Autocast dtypes for inference: weights stay float32, matmuls run in the lower precision.
 DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+# Not an autocast: dynamic int8 linear layers and experts on the CPU (`moembed.model.linear.quantize_int8`, which
+# `Embedder.load(dtype="int8")` applies); no autocast around them.
+INT8 = "int8"
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `name` on `device` (None: plain float32).
+    """The autocast dtype for `name` on `device` (None: plain float32, and for "int8", whose int8 layers the model
+    switches on itself).
 
     "auto" (or None): bfloat16 on an accelerator, float32 on the CPU; "float32" | "bfloat16" | "float16" (also
-    "fp32", "bf16", "fp16") as named. An unknown name raises MoembedError listing the choices.
+    "fp32", "bf16", "fp16") as named; "int8" on the CPU only. An unknown name, or "int8" on another device, raises
+    MoembedError.
     """
     if name is None or name == "auto":
         return None if device.type == "cpu" else torch.bfloat16
+    if name == INT8:
+        if device.type != "cpu":
+            raise MoembedError(f"dtype: 'int8' (dynamic int8) runs on the CPU only; the device is {device}")
+        return None
     if name not in DTYPES:
-        raise MoembedError(f"dtype: unknown {name!r}; choose one of auto, {', '.join(DTYPES)}")
+        raise MoembedError(f"dtype: unknown {name!r}; choose one of auto, {', '.join(DTYPES)}, {INT8}")
     return DTYPES[name]

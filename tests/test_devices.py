@@ -181,3 +181,32 @@ def test_embedder_load_device_and_dtype(make_tiny, tmp_path, monkeypatch):
     assert resolve_dtype("auto", torch.device("cpu")) is None
     assert resolve_dtype("auto", torch.device("cuda")) == resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("fp16", torch.device("cuda")) == torch.float16
+
+
+def test_embedder_load_int8_and_the_compute_in_the_cache_key(make_tiny, tmp_path):
+    """dtype="int8": the model's int8 layers on (no autocast), refused off the CPU before any weight is read; a
+    compute other than float32 is part of `settings_key` (eval's cache key), float32's key unchanged."""
+    from moembed.devices import resolve_dtype
+    from moembed.model.embedder import Embedder
+    from moembed.model.linear import int8_available
+
+    make_tiny("bert").save(tmp_path / "m")
+    plain = Embedder.load(tmp_path / "m")
+    built = Embedder.from_parts(plain.parts())  # never loaded with a dtype
+    assert plain.compute == "float32" and plain.settings_key() == built.settings_key()
+    bf16 = Embedder.load(tmp_path / "m", dtype="bf16")
+    assert bf16.compute == "bfloat16" and bf16.settings_key() != plain.settings_key()
+    assert resolve_dtype("int8", torch.device("cpu")) is None
+    with pytest.raises(MoembedError, match=r"dtype: 'int8' \(dynamic int8\) runs on the CPU only; the device is cuda"):
+        resolve_dtype("int8", torch.device("cuda"))
+    with pytest.raises(MoembedError, match="choose one of auto, float32, .*, int8"):
+        resolve_dtype("int4", torch.device("cpu"))
+    if not int8_available():
+        return
+    int8 = Embedder.load(tmp_path / "m", dtype="int8")
+    assert int8.compute == "int8" and int8.autocast is None
+    assert len({plain.settings_key(), bf16.settings_key(), int8.settings_key()}) == 3
+    texts = ["a short text", "another somewhat longer text about embeddings"]
+    a, b = plain.encode(texts), int8.encode(texts)
+    assert not np.array_equal(a, b) and (a * b).sum(1).min() > 0.99
+    assert int8.encoder.layers[0].qkv.last_path == "int8"

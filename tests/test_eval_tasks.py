@@ -409,6 +409,32 @@ def test_cli_eval_and_compare(make_tiny, tasks, tmp_path):
     assert r.exit_code != 0 and "at least one task" in str(r.exception)
 
 
+def test_cli_eval_dtype_int8_is_named_and_cached_apart(make_tiny, tasks, tmp_path):
+    """`moembed eval --dtype int8`: int8 embeddings (not float32's from the shared cache), the compute in the
+    results' model name; --dtype with --moee-sum is refused."""
+    from typer.testing import CliRunner
+
+    from moembed.cli.main import app
+    from moembed.model.linear import int8_available
+
+    if not int8_available():
+        pytest.skip("this torch build has no x86 quantised kernels")
+    make_tiny("bert").save(tmp_path / "model")
+    cache = tmp_path / "cache"
+    base = ["eval", str(tmp_path / "model"), "--tasks", str(tasks["retrieval"]), "--cache-dir", str(cache),
+            "--device", "cpu"]
+    files = {}
+    for dtype in ("float32", "int8"):
+        r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / dtype), "--dtype", dtype])
+        assert r.exit_code == 0, r.output
+        files[dtype] = {p for p in cache.rglob("*") if p.is_file()}
+    assert files["int8"] > files["float32"]  # its own cache entries
+    assert read_results(tmp_path / "float32")["model_name"] == "tiny-bert"
+    assert read_results(tmp_path / "int8")["model_name"] == "tiny-bert (int8)"
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "x"), "--dtype", "int8", "--moee-sum", "1"])
+    assert r.exit_code != 0 and "--dtype: 'int8' with --moee-sum" in str(r.exception)
+
+
 def test_cli_moee_sum_scores_with_its_similarity(make_tiny, tasks, tmp_path):
     from typer.testing import CliRunner
 

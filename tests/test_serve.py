@@ -22,6 +22,7 @@ import torch
 from net_helpers import free_port
 
 from moembed.errors import MoembedError
+from moembed.model.linear import int8_available
 from moembed.serve.app import build_app
 from moembed.serve.config import ServeConfig
 from moembed.serve.engine import EmbedderEngine
@@ -66,7 +67,12 @@ def model_dirs(tmp_path_factory, minilm_path):
 
 @pytest.fixture(scope="module")
 def engines(model_dirs):
-    return {k: EmbedderEngine.load(str(p), device="cpu") for k, p in model_dirs.items()}
+    """Per model: float32 ("dense", "moe") and dynamic int8 ("dense-int8", "moe-int8")."""
+    out = {k: EmbedderEngine.load(str(p), device="cpu") for k, p in model_dirs.items()}
+    if int8_available():
+        out.update({f"{k}-int8": EmbedderEngine.load(str(p), device="cpu", dtype="int8")
+                    for k, p in model_dirs.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +218,11 @@ async def _post_all(url, bodies):
         return await asyncio.gather(*(c.post(f"{url}/v1/embeddings", json=b) for b in bodies))
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build has no x86 quantised kernels")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", pytest.param("dense-int8", marks=int8_only),
+                                  pytest.param("moe-int8", marks=int8_only)])
 def test_embeddings_do_not_depend_on_the_batch(kind, engines):
     spy = Spy(engines[kind])
     target = TEXTS[4]
@@ -244,6 +254,25 @@ def test_embeddings_do_not_depend_on_the_batch(kind, engines):
     np.testing.assert_allclose(together, alone, rtol=0, atol=1e-6)
     for body, r in zip(crowd, out):  # every request got its own texts back, in order
         assert len(rows(r)) == len(body["input"])
+
+
+@int8_only
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_int8_compute_serves_what_the_int8_embedder_encodes(kind, engines, embedders, model_dirs):
+    """`--dtype int8`: the served rows are `Embedder.load(dtype="int8")`'s, computed on int8 matmuls."""
+    from moembed.model.embedder import Embedder
+    from moembed.model.linear import Linear, int8_kernel
+
+    engine = engines[f"{kind}-int8"]
+    assert engine.compute == f"int8 ({int8_kernel()} kernel)" and engines[kind].compute == "float32"
+    with serving(engine) as s:
+        got = rows(s.post({"input": TEXTS}))
+    int8 = Embedder.load(model_dirs[kind], dtype="int8")
+    np.testing.assert_allclose(got, int8.encode(TEXTS), rtol=0, atol=1e-6)
+    float32 = embedders[kind].encode(TEXTS)
+    assert 0 < np.abs(got - float32).max() < 0.2  # int8's rounding, not another model
+    layers = [m for m in engine.emb.encoder.modules() if isinstance(m, Linear)]
+    assert layers and all(m.last_path == "int8" for m in layers)
 
 
 def test_request_larger_than_the_budget_is_split(engines, embedders):
@@ -446,6 +475,16 @@ def test_cli_serves_and_sigterm_finishes_the_request_in_flight(model_dirs):
 
 
 # ---- real model -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+@int8_only
+def test_minilm_served_in_int8_is_close_to_float32(minilm_path, minilm):
+    engine = EmbedderEngine.load(str(minilm_path), device="cpu", dtype="int8")
+    with serving(engine) as s:
+        got = rows(s.post({"input": TEXTS + [LONG]}))
+    cos = (got * minilm.encode(TEXTS + [LONG])).sum(1)
+    assert cos.min() > 0.99, cos
 
 
 @pytest.mark.real

@@ -34,11 +34,14 @@ def _precisions(value: str) -> list[str]:
     return out or ["float32"]
 
 
-def _load_model(path: Path, moee_sum: float | None, device: str = "auto"):
+def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype: str = "float32"):
     """The model and the hash of its weights file (model.safetensors when present), for the results."""
+    from moembed.errors import MoembedError
     from moembed.eval.encoding import file_hash
 
     if moee_sum is not None:
+        if dtype != "float32":
+            raise MoembedError(f"--dtype: {dtype!r} with --moee-sum; MoEE runs its language model as loaded")
         from moembed.moee.combine import load_moee
 
         # The MoEE model's embeddings differ from its source model's: its key covers mode and settings.
@@ -46,7 +49,7 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto"):
         return model, model.settings_key()
     from moembed.model.embedder import Embedder
 
-    model = Embedder.load(path, device=device)
+    model = Embedder.load(path, device=device, dtype=dtype)  # the cache key covers a compute other than float32
     st = path / "model.safetensors"
     return model, file_hash(st) if st.exists() else model.settings_key()
 
@@ -66,6 +69,7 @@ def eval_cmd(
     moee_sum: float = typer.Option(None, help="score with MoEE(sum): cos(HS) + ALPHA·cos(RW)"),
     name: str = typer.Option(None, help="model name in the results (default: the model's own)"),
     device: str = typer.Option("auto", help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)"),
+    dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm
@@ -91,7 +95,7 @@ def eval_cmd(
         raise MoembedError(f"--batch-size: must be >= 1, got {batch_size}")
     loaded = [load_task(d) for d in dirs]  # every task is validated before any model work
     lengths, dim_list, precs = _ints(max_lengths, "--max-lengths"), _ints(dims, "--dims"), _precisions(precisions)
-    emb, model_hash = _load_model(model, moee_sum, device)
+    emb, model_hash = _load_model(model, moee_sum, device, dtype)
     cache = EmbeddingCache(cache_dir) if cache_dir else None
     if dim_list or precs != ["float32"]:
         results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=True)
@@ -100,7 +104,9 @@ def eval_cmd(
         results = [run_task(emb, t, view, cache, faiss) for t in tqdm(loaded, desc="tasks", unit="task")]
     if lengths:
         results += long_context_sweep(emb, loaded, lengths, batch_size, cache, progress=True)
-    doc = write_results(results, out, name or emb.name, model_hash)
+    compute = getattr(emb, "compute", "float32")
+    label = name or (emb.name if compute == "float32" else f"{emb.name} ({compute})")
+    doc = write_results(results, out, label, model_hash)
     typer.echo(markdown_table(doc))
     typer.echo(f"moembed: wrote {len(results)} results to {out}", err=True)
 

@@ -33,12 +33,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from moembed.devices import resolve_device, resolve_dtype
+from moembed.devices import INT8, resolve_device, resolve_dtype
 from moembed.errors import MoembedError
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
 from moembed.model.inference import length_sorted_batches, run_batches
 from moembed.model.io import ModelParts, read_parts, save_parts
+from moembed.model.linear import quantize_int8
 from moembed.model.pooling import (
     POOLINGS,
     PRECISIONS,
@@ -374,11 +375,22 @@ class Embedder(nn.Module):
         cal = truncate(torch.from_numpy(self.calibration), dim, normalize).numpy()
         return int8_ranges(cal)
 
+    @property
+    def compute(self) -> str:
+        """The precision `encode` computes in: "float32", "bfloat16" / "float16" (the autocast `load` chose) or
+        "int8" (`moembed.model.linear.quantize_int8` switched on)."""
+        if any(m.__dict__.get("int8") for m in self.encoder.modules()):
+            return INT8
+        return str(self.autocast).removeprefix("torch.") if self.autocast is not None else "float32"
+
     def settings_key(self) -> str:
         """Weights plus everything that changes `encode`'s float output: max length, Dynamic NTK, pooling,
-        normalisation and the prompt prefixes (16 hex digits). int8 codes also depend on `calibration`."""
+        normalisation, the prompt prefixes and a compute precision other than float32 (16 hex digits). int8
+        codes also depend on `calibration`."""
         settings = {"weights": weights_key(self), "max_length": self.max_length, "dynamic_ntk": self.config.dynamic_ntk,
                     "pooling": self.pooling, "normalize": self.normalize, "prompts": self.prompts}
+        if self.compute != "float32":  # float32's key as it always was: caches made before stay valid
+            settings["compute"] = self.compute
         return short_hash(json.dumps(settings, sort_keys=True))
 
     # ---- I/O: parts ↔ Embedder (moembed.model.io reads and writes the parts) -----------------------------------
@@ -405,12 +417,18 @@ class Embedder(nn.Module):
         """Load a moembed, Hugging Face (see `moembed.model.families`) or sentence-transformers directory.
 
         device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (the accelerator when there is one); dtype:
-        the inference autocast, "float32" (default), "bfloat16", "float16" or "auto" (bfloat16 on an accelerator).
+        the inference autocast, "float32" (default), "bfloat16", "float16" or "auto" (bfloat16 on an accelerator), or
+        "int8": dynamic int8 linear layers and experts, CPU only (`moembed.model.linear.quantize_int8`).
         Only local directories are read: a Hub name raises, saying how to download the model elsewhere."""
         dev = resolve_device(device)
-        amp = resolve_dtype(dtype, dev)
+        amp = resolve_dtype(dtype, dev)  # checks "int8" against the device before the weights are read
         emb = cls.from_parts(read_parts(path, max_length)).to(dev)
         emb.autocast = amp
+        if dtype == INT8:
+            try:
+                quantize_int8(emb)
+            except RuntimeError as e:
+                raise MoembedError(f"dtype: {e}") from None  # e: "int8: ..."
         return emb
 
     def save(self, path: str | Path) -> None:

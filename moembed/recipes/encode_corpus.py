@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moembed import distributed as dist
-from moembed.devices import resolve_device
+from moembed.devices import INT8, resolve_device
 from moembed.errors import MoembedError
 from moembed.model.pooling import PRECISIONS, SCALAR
 from moembed.progress import bar
@@ -39,7 +39,7 @@ from moembed.recipes.encode_state import PartialState, partial_dir
 
 log = logging.getLogger("moembed")
 
-DTYPES = ("float32", "bf16", "int8")  # compute precision: float32, bfloat16 autocast, dynamic int8 (CPU)
+DTYPES = ("float32", "bf16", INT8)  # compute precision: float32, bfloat16 autocast, dynamic int8 (CPU)
 CALIBRATION_SAMPLES = 10_000  # texts whose embeddings set the int8 ranges (as Embedder.calibrate)
 
 
@@ -120,16 +120,12 @@ def load_model(job: EncodeJob):
     device = resolve_device(job.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", dist.local_rank())
-    if job.dtype == "int8" and device.type != "cpu":
-        raise MoembedError(f"--dtype int8: dynamic int8 runs on the CPU only; the device is {device} (use --device cpu)")
-    emb = Embedder.load(job.model, max_length=job.max_length)
-    if job.dtype == "int8":
-        from moembed.model.linear import int8_kernel, quantize_int8
+    # int8 refused off the CPU before the weights are read (`resolve_dtype`)
+    emb = Embedder.load(job.model, max_length=job.max_length, device=str(device),
+                        dtype=INT8 if job.dtype == INT8 else "float32")
+    if job.dtype == INT8:
+        from moembed.model.linear import int8_kernel
 
-        try:
-            quantize_int8(emb)
-        except RuntimeError as e:
-            raise MoembedError(f"--dtype int8: {e}") from None
         kernel = int8_kernel()
         log.info("int8 matmuls on %s (%s)", kernel, "full 8-bit grid" if kernel == "onednn" else "7-bit grid")
     if job.dim is not None and not 1 <= job.dim <= emb.dim:

@@ -25,7 +25,8 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps; auto picks the accelerator when there is one
-    dtype: Literal["auto", "float32", "bf16"] = "auto"  # auto: bf16 autocast on an accelerator, float32 on CPU
+    # auto: bf16 autocast on an accelerator, float32 on CPU; int8: dynamic int8 matmuls (CPU only)
+    dtype: Literal["auto", "float32", "bf16", "int8"] = "auto"
 
     # dynamic batching (batcher.py)
     max_batch_tokens: int | None = Field(None, ge=1)  # padded tokens per forward; None: see batch_tokens()

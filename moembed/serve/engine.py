@@ -17,8 +17,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from moembed.devices import resolve_device
+from moembed.devices import INT8, resolve_device
 from moembed.errors import MoembedError
+from moembed.model.linear import int8_kernel
 
 # API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt
 # gets no prefix: its texts are embedded as given.
@@ -54,9 +55,8 @@ class Engine(Protocol):
         With truncate=False a text over max_length raises TooLong. Thread-safe; no torch."""
 
     def embed(self, ids: list[list[int]]) -> torch.Tensor:
-        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
-        with amp:
-            return self.emb.embed_ids(ids)  # (B, d) float32 on the CPU
+        """Pooled embeddings (B, d) float32 on the CPU of one batch of token-id lists; each row as it would be
+        alone. Called on the batcher's worker thread only."""
 
     def postprocess(self, emb: torch.Tensor, dim: int | None, precision: str) -> np.ndarray:
         """(n, d) from `embed` → truncated to `dim`, normalised as the model does, in the API `precision`."""
@@ -72,6 +72,10 @@ class EmbedderEngine:
         self.device = device
         self.device_type = device.type
         self.bf16 = bf16
+        # "bfloat16" (autocast), "int8" (dynamic int8 matmuls, with the CPU's int8 kernel) or "float32"
+        self.compute = "bfloat16" if bf16 else emb.compute
+        if self.compute == INT8:
+            self.compute += f" ({int8_kernel()} kernel)"
         self.name = name or emb.name
         self.dim = emb.dim
         self.max_length = emb.max_length
@@ -86,7 +90,8 @@ class EmbedderEngine:
 
         dev = resolve_device(device)
         bf16 = dev.type != "cpu" if dtype == "auto" else dtype == "bf16"
-        return cls(Embedder.load(path), dev, bf16, name)
+        # int8: refused off the CPU before the weights are read (`resolve_dtype`)
+        return cls(Embedder.load(path, device=str(dev), dtype=INT8 if dtype == INT8 else "float32"), dev, bf16, name)
 
     @property
     def int8_ready(self) -> bool:

@@ -41,6 +41,7 @@ def run(config: ServeConfig) -> None:
     if warning:
         log.warning(warning)
     engine = EmbedderEngine.load(config.model, config.device, config.dtype, config.served_model_name)
+    log.info("serving %s on %s, computing in %s", engine.name, engine.device_type, engine.compute)
     server = uvicorn_server(build_app(engine, config), config)
     # uvicorn re-raises the signal it caught once it has shut down gracefully; by then all work is done, so
     # SIGTERM ends the process with status 0 instead of "killed by SIGTERM".
