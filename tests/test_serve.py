@@ -420,6 +420,32 @@ def test_config_errors_name_the_flag(engines):
         build_app(engines["dense"], ServeConfig(model="m", max_batch_tokens=32))
 
 
+def test_run_keeps_torch_off_the_event_loop_thread(model_dirs, monkeypatch):
+    """`run` loads the model and serves with one torch thread on its own (the event loop's) thread and hands the
+    process's thread count to the batcher's worker, so that OpenMP's team is the worker's alone."""
+    from moembed.serve import server as server_module
+
+    seen = {}
+
+    class Stub:  # stands in for uvicorn: records instead of serving
+        def __init__(self, app):
+            self.app = app
+
+        def run(self):
+            seen["event loop"] = torch.get_num_threads()
+            seen["worker"] = self.app.state.service.batcher.threads
+
+    monkeypatch.setattr(server_module, "uvicorn_server", lambda app, config: Stub(app))
+    handler, before = signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        server_module.run(ServeConfig(model=str(model_dirs["dense"]), device="cpu"))
+    finally:
+        torch.set_num_threads(before)
+        signal.signal(signal.SIGTERM, handler)
+    assert seen == {"event loop": 1, "worker": 2}
+
+
 def test_open_bind_without_key_warns():
     assert bind_warning(ServeConfig(model="m")) is None
     assert bind_warning(ServeConfig(model="m", host="::1")) is None

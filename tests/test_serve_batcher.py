@@ -127,3 +127,21 @@ def test_close_drains_the_queue():
     outs = _run(go())
     assert [o[:, 0].tolist() for o in outs] == [[float(i), float(2 * i)] for i in range(1, 6)]
     assert not b._thread.is_alive()
+
+
+def test_forward_passes_run_with_the_threads_asked_for():
+    """`threads`: the worker thread's own torch thread count (the server keeps its event-loop thread at one)."""
+    seen = []
+
+    def fn(ids):
+        seen.append(torch.get_num_threads())
+        return torch.zeros(len(ids), 2)
+
+    before = torch.get_num_threads()
+    b = Batcher(fn, dim=2, max_batch_tokens=64, max_batch_size=8, threads=before + 2)
+    b.start()
+    try:
+        asyncio.run(b.embed([[1, 2, 3]]))
+    finally:
+        b.close(30)
+    assert seen == [before + 2] and torch.get_num_threads() == before  # this thread's count untouched

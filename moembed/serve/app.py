@@ -43,14 +43,15 @@ def _error(e: ApiError) -> Response:
 class EmbeddingService:
     """The routes and the state they share: engine, batcher, metrics and the admission count."""
 
-    def __init__(self, engine: Engine, config: ServeConfig, metrics: Metrics | None = None):
+    def __init__(self, engine: Engine, config: ServeConfig, metrics: Metrics | None = None,
+                 threads: int | None = None):
         self.engine, self.config = engine, config
         self.metrics = metrics or Metrics()
         budget = config.batch_tokens(engine.device_type)
         if budget < engine.max_length:
             raise MoembedError(f"--max-batch-tokens: {budget} is below the model's maximum text length "
                                f"({engine.max_length} tokens); one long text must fit in a forward pass")
-        self.batcher = Batcher(engine.embed, engine.dim, budget, config.max_batch_size, self.metrics.on_batch)
+        self.batcher = Batcher(engine.embed, engine.dim, budget, config.max_batch_size, self.metrics.on_batch, threads)
         self.metrics.watch_queue(lambda: self.batcher.queue_depth)
         self.in_flight = 0
         self.created = int(time.time())
@@ -60,8 +61,8 @@ class EmbeddingService:
         self.batcher.start()
         ids, _ = self.engine.tokenize(["warm-up"])
         await self.batcher.embed(ids)  # the first pass pays one-off costs (allocations, kernel selection)
-        log.info("serving %s (dim %d, max length %d) on %s", self.engine.name, self.engine.dim,
-                 self.engine.max_length, self.engine.device_type)
+        log.info("serving %s (dim %d, max length %d) on %s, computing in %s", self.engine.name, self.engine.dim,
+                 self.engine.max_length, self.engine.device_type, self.engine.compute)
         yield
         # uvicorn has stopped accepting connections and finished the requests in flight: drain and stop.
         await to_thread.run_sync(self.batcher.close)
@@ -149,9 +150,11 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
                            if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None))
 
 
-def build_app(engine: Engine, config: ServeConfig, metrics: Metrics | None = None) -> Starlette:
-    """The server's ASGI app over `engine`. Auth applies when `config.api_key` is set."""
-    svc = EmbeddingService(engine, config, metrics)
+def build_app(engine: Engine, config: ServeConfig, metrics: Metrics | None = None,
+              threads: int | None = None) -> Starlette:
+    """The server's ASGI app over `engine`. Auth applies when `config.api_key` is set; `threads`: the torch
+    threads of the batcher's forward passes (None: the process's setting)."""
+    svc = EmbeddingService(engine, config, metrics, threads)
     routes = [
         Route("/v1/embeddings", svc.embeddings, methods=["POST"]),
         Route("/v1/models", svc.models, methods=["GET"]),

@@ -106,12 +106,14 @@ class Batcher:
         max_batch_tokens: int,
         max_batch_size: int,
         on_batch: Callable[[BatchStats], None] | None = None,
+        threads: int | None = None,
     ):
         if max_batch_tokens < 1 or max_batch_size < 1:
             raise MoembedError("batcher: max_batch_tokens and max_batch_size must be >= 1")
         self.embed_fn, self.dim = embed, dim
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.on_batch = on_batch
+        self.threads = threads  # torch threads of the worker's forward passes; None: the process's setting
         self._queue: list[_Item] = []
         self._waiting = 0  # texts queued or in the current round, not yet embedded
         self._cond = threading.Condition()
@@ -148,6 +150,8 @@ class Batcher:
     # ---- worker thread -----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's OpenMP team (see `moembed.serve.server.run`)
         while True:
             with self._cond:
                 while not self._queue and not self._closing:

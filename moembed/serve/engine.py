@@ -41,13 +41,15 @@ class Engine(Protocol):
     """The model side of the server.
 
     name: the model id clients send; dim: full embedding width; max_length: tokens per text (with specials);
-    device_type: "cpu", "cuda" or "mps"; int8_ready: whether int8 output has calibration ranges.
+    device_type: "cpu", "cuda" or "mps"; compute: the precision forward passes run in, as the start-up log says it
+    ("float32", "bfloat16", "int8 (onednn kernel)"); int8_ready: whether int8 output has calibration ranges.
     """
 
     name: str
     dim: int
     max_length: int
     device_type: str
+    compute: str
     int8_ready: bool
 
     def tokenize(self, texts: list[str], input_type: str | None = None, truncate: bool = True) -> tuple[list[list[int]], int]:

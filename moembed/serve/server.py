@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 
+import torch
 import uvicorn
 
 from moembed.serve.app import build_app
@@ -40,9 +41,15 @@ def run(config: ServeConfig) -> None:
     warning = bind_warning(config)
     if warning:
         log.warning(warning)
+    # The forward passes run on the batcher's worker thread with the process's torch threads; this thread (the
+    # event loop: parsing, tokenizing, shaping outputs) keeps one. Once this thread has run a parallel region,
+    # OpenMP keeps its team, and the worker's team, then one of two on 2 cores, sleeps between regions instead of
+    # spinning: every operator of a short text's forward pass ran 1.6-2.3x slower there, a one-text request took
+    # 8.2-8.6 ms of forward pass instead of 4.3-4.9 (Zen 4; BENCHMARKS.md, "two torch threads").
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine = EmbedderEngine.load(config.model, config.device, config.dtype, config.served_model_name)
-    log.info("serving %s on %s, computing in %s", engine.name, engine.device_type, engine.compute)
-    server = uvicorn_server(build_app(engine, config), config)
+    server = uvicorn_server(build_app(engine, config, threads=threads), config)
     # uvicorn re-raises the signal it caught once it has shut down gracefully; by then all work is done, so
     # SIGTERM ends the process with status 0 instead of "killed by SIGTERM".
     signal.signal(signal.SIGTERM, lambda *_: None)
