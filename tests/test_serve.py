@@ -446,6 +446,29 @@ def test_run_keeps_torch_off_the_event_loop_thread(model_dirs, monkeypatch):
     assert seen == {"event loop": 1, "worker": 2}
 
 
+def test_large_responses_are_shaped_with_one_torch_thread(engines, monkeypatch):
+    """A large response is shaped on a pool thread kept at one torch thread (no second OpenMP team there)."""
+    from moembed.serve import app as app_module
+
+    seen = []
+    shape = app_module._one_torch_thread
+
+    def spy(fn, *args):
+        out = shape(fn, *args)
+        seen.append(torch.get_num_threads())
+        return out
+
+    monkeypatch.setattr(app_module, "_one_torch_thread", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what a new pool thread would start with
+    try:
+        with serving(engines["dense"]) as s:
+            got = rows(s.post({"input": [TEXTS[4]] * 600}))  # 600 x 32 numbers: over INLINE_FLOATS
+    finally:
+        torch.set_num_threads(before)
+    assert len(got) == 600 and seen == [1]
+
+
 def test_open_bind_without_key_warns():
     assert bind_warning(ServeConfig(model="m")) is None
     assert bind_warning(ServeConfig(model="m", host="::1")) is None
