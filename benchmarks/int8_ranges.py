@@ -55,9 +55,8 @@ def per_layer_step(w: linear.Int8Weight, amax: torch.Tensor) -> float:
 def per_layer_int8_linear(x: torch.Tensor, w: linear.Int8Weight) -> torch.Tensor:
     """`linear.int8_linear` with the layer's fixed step instead of each row's range: x (N, k) → (N, n)."""
     step = w.step  # set by `pack_with_step`
-    q = torch.quantize_per_tensor(x, step, 128, torch.quint8)
-    codes = torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
-    y = linear._onednn_qlinear(codes, step, 128, w.packed, w.scale, w.zero, w.bias, 1.0, 0, torch.float32,
+    codes, zero = linear._onednn_codes(x, step), linear.ONEDNN_GRID[1]
+    y = linear._onednn_qlinear(codes, step, zero, w.packed, w.scale, w.zero, w.bias, 1.0, 0, torch.float32,
                                "none", [], "")  # (N, n), bias added in the kernel
     if w.outliers.numel():
         y.addmm_(x.index_select(1, w.outliers), w.w_outliers)

@@ -148,7 +148,7 @@ class _Context:
         self.full = bool(mask.all())
         self.index = mask.flatten().nonzero().squeeze(1)  # (N,)
         # (B*T,): each position's packed row; a padding position, the last real row before it (row 0 if none)
-        self.gather = (mask.flatten().cumsum(0) - 1).clamp_min(0)
+        self.gather = None if self.full else (mask.flatten().cumsum(0) - 1).clamp_min(0)
         # SDPA boolean mask, True = attend; None when nothing is padded (lets SDPA take its fastest path).
         self.attn_mask = None if self.full else mask[:, None, None, :]  # (B, 1, 1, T)
         self.cos, self.sin = cos, sin

@@ -290,11 +290,12 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return y
 
 
-def _onednn_codes(xs: torch.Tensor) -> torch.Tensor:
-    """Scaled rows xs (N, k) → their codes on `ONEDNN_GRID`, (N, k) uint8, in one pass: torch's quantiser (the one
-    fused round-and-clamp it has), its storage then read as the plain uint8 tensor oneDNN's kernel takes (no copy;
-    with `int_repr`'s copy int8 encode cost 1.05x fbgemm's, with a round, clamp and cast in plain ops 1.10-1.16x)."""
-    q = torch.quantize_per_tensor(xs, *ONEDNN_GRID, torch.quint8)
+def _onednn_codes(xs: torch.Tensor, step: float = ONEDNN_GRID[0]) -> torch.Tensor:
+    """Scaled rows xs (N, k) → their codes on `ONEDNN_GRID` (or another `step`, zero point 128), (N, k) uint8, in
+    one pass: torch's quantiser (the one fused round-and-clamp it has), its storage then read as the plain uint8
+    tensor oneDNN's kernel takes (no copy; with `int_repr`'s copy int8 encode cost 1.05x fbgemm's, with a round,
+    clamp and cast in plain ops 1.10-1.16x)."""
+    q = torch.quantize_per_tensor(xs, step, ONEDNN_GRID[1], torch.quint8)
     return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
 
 
