@@ -188,7 +188,7 @@ def test_embedder_load_int8_and_the_compute_in_the_cache_key(make_tiny, tmp_path
     compute other than float32 is part of `settings_key` (eval's cache key), float32's key unchanged."""
     from moembed.devices import resolve_dtype
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import int8_available
+    from moembed.model.linear import fused_rows, int8_available
 
     make_tiny("bert").save(tmp_path / "m")
     plain = Embedder.load(tmp_path / "m")
@@ -209,4 +209,4 @@ def test_embedder_load_int8_and_the_compute_in_the_cache_key(make_tiny, tmp_path
     texts = ["a short text", "another somewhat longer text about embeddings"]
     a, b = plain.encode(texts), int8.encode(texts)
     assert not np.array_equal(a, b) and (a * b).sum(1).min() > 0.99
-    assert int8.encoder.layers[0].qkv.last_path == "int8"
+    assert int8.encoder.layers[0].qkv.last_path == ("int8-fused" if fused_rows() is not None else "int8")

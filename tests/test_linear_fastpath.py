@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import moembed.model.linear as linear
+from moembed.model import rowquant
 from moembed.model.config import MoEConfig
 from moembed.model.linear import (
     Linear,
@@ -52,6 +53,30 @@ int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build ha
 # on such CPUs (Zen 4 and 5, AMX Xeons), fbgemm's everywhere.
 onednn_int8_only = pytest.mark.skipif(int8_kernel() != "onednn", reason="no VNNI or no oneDNN int8 kernel here")
 KERNELS = [pytest.param("onednn", marks=onednn_int8_only), "fbgemm"]
+COMPILED = rowquant.load() is not None
+
+
+@pytest.fixture(params=[pytest.param("compiled", marks=pytest.mark.skipif(not COMPILED, reason="no C compiler")),
+                        "torch"])
+def rows(request, monkeypatch):
+    """The int8 path's per-row work: `rowquant`'s compiled loops (counted, so that tests know they ran) or torch ops."""
+    calls = []
+    if request.param == "torch":
+        monkeypatch.setattr(linear, "fused_rows", lambda: None)
+    else:
+        for name in ("quantize_rows", "rescale_rows"):
+            fn = getattr(rowquant, name)
+            monkeypatch.setattr(rowquant, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    return request.param, calls
+
+
+def _ran(rows, kernel: str = "onednn") -> None:
+    """The compiled loops ran where asked for (the quantiser only with oneDNN's kernel); torch ops ran otherwise."""
+    mode, calls = rows
+    if mode == "torch":
+        assert not calls
+    else:
+        assert "rescale_rows" in calls and ("quantize_rows" in calls) == (kernel == "onednn")
 
 
 @packed_only
@@ -163,7 +188,7 @@ def _with_outliers(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @int8_only
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel):
+def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel, rows):
     torch.manual_seed(0)
     x, w, b = _with_outliers(64, 96), torch.randn(80, 96) * 0.05, torch.randn(80)
     ref = F.linear(x, w, b)
@@ -178,6 +203,10 @@ def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel):
     only[:, [3, 17]] = x[:, [3, 17]]
     got = int8_linear(only, pack_int8(w, b, amax, kernel))
     torch.testing.assert_close(got, F.linear(only, w, b), atol=1e-4, rtol=1e-4)
+    # GELU after the rescale (fused into it where compiled): exact GELU of the product, not an approximation.
+    gelu = int8_linear(x, pack_int8(w, b, amax, kernel), gelu=True)
+    torch.testing.assert_close(gelu, F.gelu(with_outliers), atol=1e-5, rtol=1e-5)
+    _ran(rows, kernel)
 
 
 @int8_only
@@ -198,7 +227,7 @@ def test_int8_fixed_grid_kernel_runs_and_equals_the_measured_range_kernel(monkey
 
 @int8_only
 @onednn_int8_only
-def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkeypatch):
+def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkeypatch, rows):
     # oneDNN's kernel against the equation it stands for, in float64: codes q = clamp(round(x_s / s) + 128, 0, 255)
     # of the scaled rows x_s = x / m on the full grid (s = 1/127), y = m * s * ((q - 128) @ Wqᵀ) * w_scale + b,
     # plus the outlier channels in float32. Integer sums are exact, so only float32 rounding may differ: a kernel
@@ -225,6 +254,7 @@ def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkey
     wq = torch.round((wd.float() / w_scale.float()[:, None])).double() * keep  # (n, k)
     ref = m * step * (codes @ wq.t()) * w_scale + bias.double() + xd[:, ~keep] @ wd[:, ~keep].t()
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+    _ran(rows)
 
 
 @int8_only
@@ -265,7 +295,7 @@ def test_onednn_int8_is_refused_without_vnni(make_tiny, monkeypatch):
 
 @int8_only
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_int8_rows_are_quantised_each_on_its_own(kernel):
+def test_int8_rows_are_quantised_each_on_its_own(kernel, rows):
     # A row's result must not depend on the other rows of the call (embeddings never depend on the batch):
     # a dynamic range over the whole input would make a small row's grid coarser next to a large one.
     x = _with_outliers(10, 64)
@@ -277,11 +307,12 @@ def test_int8_rows_are_quantised_each_on_its_own(kernel):
         # float32 rounding only (the outlier channels' float GEMM runs other kernels for 1 row than for 10); a
         # grid shared with the large rows would be 100x coarser for the small ones, an error of whole percents
         torch.testing.assert_close(int8_linear(x[i : i + 1], w), batched[i : i + 1], atol=1e-5, rtol=1e-5)
+    _ran(rows, kernel)
 
 
 @int8_only
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, kernel):
+def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, kernel, rows):
     emb = make_tiny("bert", moe=MoEConfig(num_experts=4, top_k=2, every=1, offset=0))
     ref = emb.encode(sentences[:16])
     q = quantize_int8(copy.deepcopy(emb), kernel=kernel)
@@ -290,8 +321,9 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, ke
     linears = [m for m in q.modules() if isinstance(m, Linear)]
     blocks = [m for m in q.modules() if isinstance(m, MoEBlock)]
     assert linears and blocks
-    assert all(m.last_path == "int8" for m in linears)
+    assert all(m.last_path == ("int8-fused" if rows[0] == "compiled" else "int8") for m in linears)
     assert all(b.last_dispatch == "int8-loop" for b in blocks)
+    _ran(rows, kernel)
     assert all(m.__dict__.get("int8_amax") is not None for m in linears)  # outlier channels were measured
     packed = [m.__dict__["_weight_cache"]["int8"][1] for m in linears + [b.experts for b in blocks]]
     assert {w.kernel for ws in packed for w in ws} == {kernel}  # every layer and expert ran the kernel asked for

@@ -261,7 +261,7 @@ def test_embeddings_do_not_depend_on_the_batch(kind, engines):
 def test_int8_compute_serves_what_the_int8_embedder_encodes(kind, engines, embedders, model_dirs):
     """`--dtype int8`: the served rows are `Embedder.load(dtype="int8")`'s, computed on int8 matmuls."""
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import Linear, int8_kernel
+    from moembed.model.linear import Linear, fused_rows, int8_kernel
 
     engine = engines[f"{kind}-int8"]
     assert engine.compute == f"int8 ({int8_kernel()} kernel)" and engines[kind].compute == "float32"
@@ -272,7 +272,7 @@ def test_int8_compute_serves_what_the_int8_embedder_encodes(kind, engines, embed
     float32 = embedders[kind].encode(TEXTS)
     assert 0 < np.abs(got - float32).max() < 0.2  # int8's rounding, not another model
     layers = [m for m in engine.emb.encoder.modules() if isinstance(m, Linear)]
-    assert layers and all(m.last_path == "int8" for m in layers)
+    assert layers and all(m.last_path == ("int8-fused" if fused_rows() is not None else "int8") for m in layers)
 
 
 def test_request_larger_than_the_budget_is_split(engines, embedders):

@@ -241,8 +241,9 @@ class Experts(nn.Module):
             pairs += [(self.fc1_weight[e], b1[e]), (self.fc2_weight[e], b2[e])]
             amax += [stats[0], stats[1][e]]
         w = int8_weights(self, pairs, amax)
-        act = INPLACE_ACTIVATIONS.get(self.kind, self.act)  # on int8_linear's own buffer
-        out = [int8_linear(act(int8_linear(p, w[2 * e])), w[2 * e + 1])
+        gelu = self.kind == "gelu"  # GELU inside fc1's rescale (`linear.int8_linear`)
+        act = (lambda h: h) if gelu else INPLACE_ACTIVATIONS.get(self.kind, self.act)  # on int8_linear's own buffer
+        out = [int8_linear(act(int8_linear(p, w[2 * e], gelu)), w[2 * e + 1])
                for e, p in enumerate(torch.split(x, counts.tolist())) if p.shape[0]]
         return torch.cat(out or [x[:0]])
 

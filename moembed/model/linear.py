@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moembed.model import rowquant
 from moembed.model.activations import INPLACE_ACTIVATIONS
 
 _HAS_PACKED = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
@@ -190,6 +191,7 @@ OUTLIERS = 8  # input channels per layer kept in float32 (the largest activation
 # VNNI's dot products sum u8 x s8 products straight into 32 bits (`int8_kernel`).
 INT8_GRID = (2.0 / 127, 64)
 ONEDNN_GRID = (1.0 / 127, 128)
+_ONEDNN_INV_STEP = (1.0 / torch.tensor(ONEDNN_GRID[0], dtype=torch.float32)).item()  # as torch's quantiser has it
 # The fbgemm kernel that takes the grid as given (no range pass); None where this torch lacks it.
 _fixed_grid_linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
 # oneDNN's quantised linear (u8 activations x s8 weights, float32 out); None where this torch lacks it.
@@ -227,6 +229,8 @@ class Int8Weight:
     outliers: torch.Tensor  # (o,) long, input channels computed in float32
     w_outliers: torch.Tensor  # (o, n) float32, W[:, outliers]ᵀ
     bias: torch.Tensor | None  # (n,)
+    keep: torch.Tensor  # (k,) float32, 0 at the outlier channels and 1 elsewhere (`rowquant`'s range mask)
+    shift: torch.Tensor  # (n,) float32, the bias or zeros (what `rowquant`'s rescale adds)
 
 
 def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor | None,
@@ -246,33 +250,64 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tenso
     w_outliers = w[:, out].t().contiguous()  # (o, n)
     w = w.index_fill(1, out, 0.0)
     scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # (n,) symmetric: max |w| of a row ↦ 127
-    bias = None if bias is None else bias.detach().float()
+    bias = None if bias is None else bias.detach().float().contiguous()
+    keep = torch.ones(w.shape[1]).index_fill_(0, out, 0.0)
+    shift = bias if bias is not None else torch.zeros(w.shape[0])
     with warnings.catch_warnings():  # the eager quantised-tensor API is deprecated; its kernels are not replaced yet
         warnings.simplefilter("ignore")
         if kernel == "onednn":
             qw = torch.round(w / scale[:, None]).to(torch.int8)  # (n, k)
             torch.quantize_per_tensor(w[:1], *ONEDNN_GRID, torch.quint8)  # its one-time deprecation notice, here
             packed = torch.ops.onednn.qlinear_prepack(qw, None)
-            return Int8Weight(kernel, packed, scale, torch.zeros_like(scale, dtype=torch.int32), out, w_outliers, bias)
+            zero = torch.zeros_like(scale, dtype=torch.int32)
+            return Int8Weight(kernel, packed, scale, zero, out, w_outliers, bias, keep, shift)
         qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
         packed = torch.ops.quantized.linear_prepack(qw, None)
-    return Int8Weight(kernel, packed, None, None, out, w_outliers, bias)
+    return Int8Weight(kernel, packed, None, None, out, w_outliers, bias, keep, shift)
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """F.linear with int8 weights: x (N, k) float32 → (N, n) float32.
+def fused_rows():
+    """`rowquant`'s compiled kernels for the int8 path's per-row work, or None: no C compiler, a failed build
+    (`rowquant.why_not`), or MOEMBED_NO_FASTPATH=1."""
+    return None if fastpaths_off() else rowquant.load()
+
+
+def int8_path() -> str:
+    """What int8 layers run here, for logs: the matmul kernel and its grid, and where the per-row work runs."""
+    kernel = int8_kernel()
+    grid = "full 8-bit grid" if kernel == "onednn" else "7-bit grid"
+    if fused_rows() is not None:
+        return f"{kernel} ({grid}), per-row quantisation compiled"
+    return f"{kernel} ({grid}), per-row quantisation in torch ops ({rowquant.why_not or 'MOEMBED_NO_FASTPATH=1'})"
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Tensor:
+    """F.linear with int8 weights, then exact GELU if `gelu`: x (N, k) float32 → (N, n) float32, a buffer of its
+    own.
 
     Each row is quantised with its own range (its largest |value| outside the outlier channels), so a text's
     embedding never depends on the other texts of its batch: the rows are divided by that maximum and quantised on
     one fixed grid over [-1, 1] (`ONEDNN_GRID`, `INT8_GRID`), which the kernel takes as given instead of measuring
     each call's range. The outlier channels of the scaled rows may lie beyond 1: the quantiser clamps them, and
-    their int8 weights are 0 (`pack_int8`); their float32 product is added after the rescale.
+    their int8 weights are 0 (`pack_int8`); their float32 product is added before the rescale. Where `fused_rows`
+    has the compiled kernels, the range, the codes and the rescale (with bias and GELU) are one pass each
+    (`rowquant`); otherwise torch ops do the same steps.
     """
+    lib = fused_rows()
+    if lib is not None and w.kernel == "onednn":
+        step, zero = ONEDNN_GRID
+        codes, m, xo = rowquant.quantize_rows(lib, x, w.keep, w.outliers, _ONEDNN_INV_STEP, zero)  # xo: x_o / m
+        y = _onednn_qlinear(codes, step, zero, w.packed, w.scale, w.zero, None, 1.0, 0, torch.float32,
+                            "none", [], "")  # (N, n)
+        if w.outliers.numel():
+            y.addmm_(xo, w.w_outliers)  # (N, o) @ (o, n), on the row's scale like the int8 product
+        return rowquant.rescale_rows(lib, y, m, w.shift, gelu)
     xs = x.abs()  # (N, k), then the scaled rows
     if w.outliers.numel():
         xs.index_fill_(1, w.outliers, 0.0)
     m = xs.amax(dim=1, keepdim=True).clamp_min_(1e-12)  # (N, 1) (faster than an inf-norm here)
     torch.div(x, m, out=xs)
+    xo = xs.index_select(1, w.outliers) if w.outliers.numel() else None  # (N, o), before any clamp
     if w.kernel == "onednn":
         step, zero = ONEDNN_GRID
         y = _onednn_qlinear(_onednn_codes(xs), step, zero, w.packed, w.scale, w.zero, None, 1.0, 0, torch.float32,
@@ -283,11 +318,13 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         fixed = xs.new_zeros(1, xs.shape[1])
         fixed[0, :2] = torch.tensor([1.0, -1.0])
         y = torch.ops.quantized.linear_dynamic(torch.cat([xs.clamp_(-1.0, 1.0), fixed]), w.packed, True)[:-1]
+    if xo is not None:
+        y.addmm_(xo, w.w_outliers)
+    if lib is not None:  # fbgemm's product with the compiled rescale
+        return rowquant.rescale_rows(lib, y, m, w.shift, gelu)
     # in place: no second (N, n) buffer (a fresh one is page faults each call wherever malloc has trimmed its heap)
     y = torch.addcmul(w.bias, y, m, out=y) if w.bias is not None else y.mul_(m)
-    if w.outliers.numel():
-        y.addmm_(x.index_select(1, w.outliers), w.w_outliers)  # (N, o) @ (o, n)
-    return y
+    return INPLACE_ACTIVATIONS["gelu"](y) if gelu else y
 
 
 def _onednn_codes(xs: torch.Tensor, step: float = ONEDNN_GRID[0]) -> torch.Tensor:
@@ -384,10 +421,9 @@ class Linear(nn.Linear):
         matmul on the packed paths (`packed_linear`)."""
         if self.weight.dtype == torch.float32:
             if self.int8 and inference_pass(self, x):
-                self.__dict__["last_path"] = "int8"
+                self.__dict__["last_path"] = "int8-fused" if fused_rows() is not None else "int8"
                 w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
-                y = int8_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
-                return INPLACE_ACTIVATIONS["gelu"](y) if gelu else y  # y: this call's own buffer
+                return int8_linear(x.reshape(-1, x.shape[-1]), w, gelu).view(*x.shape[:-1], -1)
             dtype = packed_dtype(self, x)
             if dtype is not None:
                 self.__dict__["last_path"] = "packed" if dtype == torch.float32 else "packed-bf16"

@@ -124,10 +124,9 @@ def load_model(job: EncodeJob):
     emb = Embedder.load(job.model, max_length=job.max_length, device=str(device),
                         dtype=INT8 if job.dtype == INT8 else "float32")
     if job.dtype == INT8:
-        from moembed.model.linear import int8_kernel
+        from moembed.model.linear import int8_path
 
-        kernel = int8_kernel()
-        log.info("int8 matmuls on %s (%s)", kernel, "full 8-bit grid" if kernel == "onednn" else "7-bit grid")
+        log.info("int8 matmuls on %s", int8_path())
     if job.dim is not None and not 1 <= job.dim <= emb.dim:
         raise MoembedError(f"--dim: {job.dim} is out of range 1..{emb.dim}")
     emb.prefix(job.prompt)  # an unknown prompt name fails before any work
