@@ -12,8 +12,10 @@ third of T and T. For each shape, three variants in turn per repeat (medians):
   `attend` runs for a bf16 call in training, on a CPU without AMX);
 - float32: the kernel on float32 inputs (the float32 model's attention).
 
-"train" times forward and backward (gradients for q, k and v), "infer" the forward without autograd. Prints each
-variant's milliseconds and bf16's time over float32-with-casts: above 1, the casts pay. Also the largest difference
+"train" times forward and backward (gradients for q, k and v), "infer" the forward without autograd; at inference
+on CPU also moembed's compiled kernel (`attention.compiled_attention`, what CPU inference runs) on the same float32
+and bf16 inputs, with torch's time over its. Prints each variant's milliseconds and bf16's time over
+float32-with-casts: above 1, the casts pay. Also the largest difference
 of either bf16 variant's output and gradients from float32 attention of the same bf16-rounded inputs, relative to
 the largest value, which says how much precision each keeps.
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_ceiling import timed  # noqa: E402
 from precision import cpu_flags  # noqa: E402
 
+from moembed.model import attention  # noqa: E402
 from moembed.model.attention import attention_in  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 32
@@ -77,6 +80,14 @@ def measure(mode: str, B: int, T: int, device: torch.device, repeats: int) -> di
     q, k, v, mask, grad = inputs(B, T, device)
     variants = {"bf16": (bf16, torch.bfloat16), "float32 with casts": (upcast, torch.bfloat16),
                 "float32": (bf16, torch.float32)}
+    compiled = mode == "infer" and device.type == "cpu" and attention.compiled() is not None
+    if compiled:  # what moembed's CPU inference runs (`attention.compiled_attention`)
+        lengths = mask[:, 0, 0, :].sum(1)
+
+        def mine(q, k, v, mask):
+            return attention.compiled_attention(q, k, v, lengths)
+
+        variants |= {"compiled bf16": (mine, torch.bfloat16), "compiled float32": (mine, torch.float32)}
     calls = {}
     for name, (fn, dtype) in variants.items():
         xs = [t.to(dtype, copy=True).requires_grad_(mode == "train") for t in (q, k, v)]
@@ -101,6 +112,8 @@ def measure(mode: str, B: int, T: int, device: torch.device, repeats: int) -> di
             times[name].append(timed(call, device, 1))
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     row = {"mode": mode, "B": B, "T": T, "ms": ms, "bf16_over_cast": ms["bf16"] / ms["float32 with casts"]}
+    if compiled:
+        row["torch_over_compiled"] = {p: ms[p] / ms[f"compiled {p}"] for p in ("float32", "bf16")}
     if mode == "train":
         pairs = (("bf16", bf16), ("float32 with casts", upcast))
         row["error"] = {name: errors(fn, (q, k, v), mask, grad) for name, fn in pairs}
@@ -122,6 +135,10 @@ def main() -> None:
         err = ""
         if "error" in r:
             err = "  ".join(f"{n}: out {o:.4f}, grad {g:.4f}" for n, (o, g) in r["error"].items())
+        if "torch_over_compiled" in r:
+            err = (f"compiled: float32 {r['ms']['compiled float32']:.2f} ms "
+                   f"({r['torch_over_compiled']['float32']:.2f}x torch's speed), bf16 {r['ms']['compiled bf16']:.2f}"
+                   f" ms ({r['torch_over_compiled']['bf16']:.2f}x)")
         print(f"{r['mode']:<6} {r['B']:>3} {r['T']:>4} {r['ms']['bf16']:9.2f} {r['ms']['float32 with casts']:10.2f} "
               f"{r['ms']['float32']:9.2f} {r['bf16_over_cast']:12.2f}x  {err}")
     if args.json:

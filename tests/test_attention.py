@@ -66,7 +66,7 @@ def test_bf16_runs_in_float32_forward_and_backward(upcast, autocast):
     ref = [t.bfloat16().float().requires_grad_() for t in (q, k, v)]  # the same bf16 values, in float32
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out, dtype = attend(*mine, mask)
+        out, dtype, _ = attend(*mine, mask)
     assert dtype == torch.float32 and out.dtype == torch.bfloat16
     want = F.scaled_dot_product_attention(*ref, attn_mask=mask)
     assert torch.equal(out, want.bfloat16())  # the float32 kernel's result, rounded once
@@ -83,14 +83,14 @@ def test_bf16_runs_in_float32_forward_and_backward(upcast, autocast):
 def test_native_dtype_where_upcast_does_not_pay(monkeypatch):
     monkeypatch.setattr(attention, "_UPCAST_PAYS", False)
     q, k, v, mask = (t.bfloat16().requires_grad_() if t.dtype == torch.float32 else t for t in _inputs())
-    out, dtype = attend(q, k, v, mask)
+    out, dtype, _ = attend(q, k, v, mask)
     assert dtype == torch.bfloat16
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
 def test_float32_unchanged(upcast):
     q, k, v, mask = _inputs()
-    out, dtype = attend(q, k, v, mask)
+    out, dtype, _ = attend(q, k, v, mask)
     assert dtype == torch.float32
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
@@ -118,3 +118,117 @@ def test_encoder_records_the_precision_and_matches_float32(upcast):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         enc(ids, mask)
     assert all(layer.last_attention_dtype == torch.bfloat16 for layer in enc.layers)  # inference: bf16 kernel
+
+
+# ---- compiled attention (CPU inference) --------------------------------------------------------------------------
+
+needs_compiled = pytest.mark.skipif(attention.compiled() is None, reason="no C compiler builds attention.c here")
+
+
+def _qkv_views(B, T, H, hd, seed=0):
+    """q, k, v (B, H, T, hd) as the encoder has them: strided views into one (B, T, 3·H·hd) projection."""
+    qkv = torch.randn(B, T, 3 * H * hd, generator=torch.Generator().manual_seed(seed))
+    return qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+
+
+@needs_compiled
+@pytest.mark.parametrize("hd", [32, 64])
+@pytest.mark.parametrize("T", [1, 7, 31, 32, 33, 100])
+def test_compiled_attention_is_the_equation_on_real_rows_and_zero_elsewhere(hd, T):
+    q, k, v = _qkv_views(3, T, 2, hd)
+    lengths = torch.tensor([T, max(T // 2, 1), 1])
+    mask = (torch.arange(T) < lengths[:, None])[:, None, None, :]
+    with torch.no_grad():
+        out, dtype, kernel = attend(q, k, v, mask, lengths=lengths)
+    assert kernel == "compiled" and dtype == torch.float32 and out.shape == q.shape
+    real = mask[:, 0, 0, :, None].expand(-1, -1, hd)  # (B, T, hd): the real query rows
+    exact = _equation(q, k, v, mask)
+    for h in range(2):
+        assert (out[:, h] - exact[:, h])[real].abs().max().item() < 2e-6
+        assert out[:, h][~real].eq(0).all()
+    torch_out, _, torch_kernel = attend(q, k, v, mask)  # no lengths: torch's kernel
+    assert torch_kernel == "torch"
+    assert (out - torch_out)[real[:, None].expand(-1, 2, -1, -1)].abs().max().item() < 2e-6
+
+
+@needs_compiled
+def test_compiled_attention_does_not_depend_on_the_padding():
+    # A sequence's result is computed over its own keys only: alone or padded into a longer batch, the same bits.
+    q, k, v = _qkv_views(2, 40, 12, 32, seed=3)
+    lengths = torch.tensor([40, 13])
+    with torch.no_grad():
+        batched, _, _ = attend(q, k, v, None, lengths=lengths)
+        alone, _, _ = attend(q[1:, :, :13], k[1:, :, :13], v[1:, :, :13], None, lengths=lengths[1:])
+    assert torch.equal(alone, batched[1:, :, :13])
+
+
+@needs_compiled
+def test_compiled_attention_only_for_inference_in_float32_or_bf16(monkeypatch):
+    q, k, v = _qkv_views(2, 9, 2, 32)
+    lengths = torch.tensor([9, 4])
+    mask = (torch.arange(9) < lengths[:, None])[:, None, None, :]
+    with torch.no_grad():
+        assert attend(q, k, v, mask, lengths=lengths)[2] == "compiled"
+        assert attend(q, k, v, mask, training=True, lengths=lengths)[2] == "torch"  # GradCache's first pass
+        assert attend(q, k, v, mask, dropout_p=0.1, lengths=lengths)[2] == "torch"
+        out16, dtype16, kernel16 = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, lengths=lengths)
+        assert kernel16 == "compiled" and dtype16 == torch.float32 and out16.dtype == torch.bfloat16  # widened
+        want = _equation(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), mask)
+        torch.testing.assert_close(out16.double()[0], want[0], atol=1e-4, rtol=2**-8)  # float32's, rounded once
+        assert attend(q.half(), k.half(), v.half(), mask, lengths=lengths)[2] == "torch"
+        q16, k16, v16 = _qkv_views(2, 9, 2, 16)
+        assert attend(q16, k16, v16, mask, lengths=lengths)[2] == "torch"  # heads of 16: not specialised
+        monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
+        assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"
+    monkeypatch.delenv("MOEMBED_NO_FASTPATH")
+    assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"  # gradient enabled
+
+
+@needs_compiled
+def test_packed_attention_equals_padded_and_does_not_depend_on_the_batch():
+    # The packed rows (sequence after sequence, as the layers hold them) give what the padded layout gives on the
+    # real rows, and a sequence's rows give the same bits alone as among others.
+    H, hd = 3, 64
+    lengths = torch.tensor([5, 33, 1, 20])
+    T, N = int(lengths.max()), int(lengths.sum())
+    qkv = torch.randn(N, 3 * H * hd, generator=torch.Generator().manual_seed(4))
+    starts = torch.cumsum(lengths, 0) - lengths
+    mask = torch.arange(T) < lengths[:, None]  # (B, T)
+    padded = torch.zeros(4, T, 3 * H * hd)
+    padded[mask] = qkv
+    q, k, v = padded.view(4, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+    with torch.no_grad():
+        packed = attention.packed_attention(qkv, starts, lengths, H)  # (N, H·hd)
+        want = attention.compiled_attention(q, k, v, lengths).transpose(1, 2).reshape(4, T, H * hd)[mask]
+        exact = _equation(q, k, v, mask[:, None, None, :]).transpose(1, 2).reshape(4, T, H * hd)[mask]
+        alone = attention.packed_attention(qkv[5:38], torch.tensor([0]), lengths[1:2], H)
+    assert torch.equal(packed, want)
+    assert (packed.double() - exact).abs().max().item() < 2e-6
+    assert torch.equal(alone, packed[5:38])
+
+
+@needs_compiled
+@pytest.mark.parametrize("family", ["bert", "nomic"])  # nomic: rotary positions applied to q and k first
+def test_encoder_takes_compiled_attention_for_right_padding_only(family):
+    torch.manual_seed(0)
+    enc = Encoder(tiny_config(family, hidden_size=64, num_heads=2)).eval()  # heads of 32
+    ids = torch.randint(5, 100, (3, 11))
+    right = torch.ones(3, 11, dtype=torch.bool)
+    right[1, 6:] = False
+    right[2, 2:] = False
+    left = right.flip(1)  # real tokens last: not a prefix, torch's kernel
+    # without rotary positions the kernel reads the packed rows; with them, the padded (B, H, T, hd) layout
+    expected = "packed" if family == "bert" else "compiled"
+    with torch.no_grad():
+        fast = enc(ids, right).packed_hidden
+        assert all(layer.last_attention_kernel == expected for layer in enc.layers)
+        enc(ids, left)
+        assert all(layer.last_attention_kernel == "torch" for layer in enc.layers)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MOEMBED_NO_FASTPATH", "1")
+            slow = enc(ids, right).packed_hidden
+        assert all(layer.last_attention_kernel == "torch" for layer in enc.layers)
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
+    enc.train()
+    enc(ids, right)  # training never takes the compiled kernel
+    assert all(layer.last_attention_kernel == "torch" for layer in enc.layers)

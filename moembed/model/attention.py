@@ -1,6 +1,7 @@
-"""Scaled dot-product attention over the padded (B, H, T, hd) layout, in the precision that trains fastest here.
+"""Scaled dot-product attention over the padded (B, H, T, hd) layout, in the precision and kernel fastest here.
 
-    out, dtype = attend(q, k, v, mask, dropout_p)   # out in q's dtype; dtype: what the kernel computed in
+    out, dtype, kernel = attend(q, k, v, mask, dropout_p, training, lengths)
+    # out in q's dtype; dtype: what the kernel computed in; kernel: "compiled" or "torch"
 
 On a CPU without AMX, torch's fused (flash) attention kernel trains 2.2-3x slower in bfloat16 than in float32 at the
 lengths embedding models see: on an AVX-512 BF16 EPYC (Zen 5), 12 heads of 32, forward and backward of B = 64, T =
@@ -12,14 +13,29 @@ result is also the more precise (float32 scores and softmax). Inference keeps bf
 they save (`precision.py`: bf16 encode at 1.45-1.46x float32 with them against 1.56-1.58x without). Where bf16
 attention has hardware of its own (AMX tiles, GPUs) the input's dtype is kept; MOEMBED_NO_FASTPATH=1 keeps it
 everywhere.
+
+**Compiled attention for CPU inference.** torch's CPU flash kernel runs at 40-60 GFLOP/s at an encoder's shapes
+(12 heads of 32, T <= 128, Zen 4), a third of what the linear layers reach, and attention was 30% of int8 encode
+and 29% of bf16 encode (BENCHMARKS.md, "Attention compiled for CPU inference"). An inference call (no gradient,
+eval mode, no dropout) in float32 or bf16 on right-padded sequences (`lengths`) with heads of 32 or 64 runs
+`attention.c` instead (built by `moembed.model.native`; torch's kernel where no C compiler is found, or with
+MOEMBED_NO_FASTPATH=1): tiles of four queries by 32 keys held in registers, each sequence against its own real
+keys only, in float32 (bf16 inputs widened as they are loaded, so bf16 inference also gets float32 scores).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from moembed.model import native
 from moembed.model.linear import cpu_flags, fastpaths_off
+
+COMPILED_HEAD_DIMS = (32, 64)  # what attention.c is specialised for
+COMPILED_MAX_LENGTH = 1024  # its longest sequence (its score rows live on the stack)
 
 def _upcast_pays() -> bool:
     """Not on AMX CPUs, whose tiles run bf16 attention natively (not measured here: bf16 is kept there)."""
@@ -49,9 +65,80 @@ def attention_in(dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.to(q.dtype)
 
 
+@functools.cache
+def compiled() -> ctypes.CDLL | None:
+    """`attention.c` compiled (`native.load`), typed; None where it cannot be built (`native.why_not`)."""
+    lib = native.load("attention")
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.attention.argtypes = [p, p, p, ctypes.c_int, i, i, i, i, p, p, p, p, p, p, ctypes.c_float, p]
+        lib.attention.restype = ctypes.c_int
+    return lib
+
+
+def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool) -> bool:
+    """Whether the compiled kernel takes attention over `x` (q, or the q/k/v projection): a CPU inference call (no
+    gradient, not training, no dropout) in float32 or bf16, heads of 32 or 64, sequences of at most
+    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), and the kernel built, unless MOEMBED_NO_FASTPATH=1."""
+    return (
+        x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not training and dropout_p == 0.0
+        and not torch.is_grad_enabled() and head_dim in COMPILED_HEAD_DIMS and length <= COMPILED_MAX_LENGTH
+        and not fastpaths_off() and compiled() is not None
+    )
+
+
+def _run(q, kt, v, lengths, out, rows, bases, strides) -> None:
+    """`attention.c` on q, kt, v with per-sequence element offsets `bases` (q, k, v, out) and `strides` (q_h, q_t,
+    k_h, k_d, v_h, v_t); `rows`: output rows per sequence to zero past its length (0: none)."""
+    B, H, D = lengths.numel(), out.shape[-2], out.shape[-1]
+    bases = [b.to(torch.int64).contiguous() for b in bases]
+    strides = torch.tensor(strides, dtype=torch.int64)
+    lengths = lengths.to(torch.int64).contiguous()
+    rc = compiled().attention(q.data_ptr(), kt.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), B, H,
+                              rows, D, *(b.data_ptr() for b in bases), strides.data_ptr(), lengths.data_ptr(),
+                              D**-0.5, out.data_ptr())
+    if rc != 0:  # unreachable after `compiled_applies`; kept so that a mismatch cannot return garbage
+        raise RuntimeError(f"compiled attention refused B={B} H={H} hd={D} lengths up to {int(lengths.max())}")
+
+
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Attention of q, k, v (B, H, T, hd) float32 or bf16 (rows of hd contiguous) over each sequence's first
+    `lengths` (B,) keys, by `attention.c`, computed in float32 (bf16 values widened as they are loaded); (B, H, T,
+    hd) in q's dtype, a view of a (B, T, H, hd) buffer, zero at padded query rows."""
+    B, H, T, D = q.shape
+    kt = k.transpose(-1, -2).contiguous()  # (B, H, hd, T): keys along the vector lanes
+    out = torch.empty(B, T, H, D)
+    b = torch.arange(B)
+    bases = (b * q.stride(0), b * H * D * T, b * v.stride(0), b * T * H * D)
+    _run(q, kt, v, lengths, out, T, bases, (q.stride(1), q.stride(2), D * T, T, v.stride(1), v.stride(2)))
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def packed_attention(qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, heads: int) -> torch.Tensor:
+    """Attention on packed rows: qkv (N, 3·H·hd), the q, k, v projections of sequences laid one after another
+    (sequence b in rows starts[b] .. starts[b] + lengths[b]), with no padding; (N, H·hd) in qkv's dtype. No
+    gather pads the rows for the kernel and none drops the padding after it (`Encoder`'s padded path does both)."""
+    N, d = qkv.shape[0], qkv.shape[1] // 3
+    D = d // heads
+    qkv = qkv.contiguous()
+    kt = qkv[:, d : 2 * d].view(N, heads, D).permute(1, 2, 0).contiguous()  # (H, hd, N)
+    out = torch.empty(N, heads, D)
+    starts = starts.to(torch.int64)
+    bases = (starts * 3 * d, starts, starts * 3 * d + 2 * d, starts * d)  # q, k, v, out: element offsets
+    _run(qkv, kt, qkv, lengths, out, 0, bases, (D, 3 * d, D * N, N, D, 3 * d))
+    return out.view(N, d).to(qkv.dtype)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           dropout_p: float = 0.0, training: bool = False) -> tuple[torch.Tensor, torch.dtype]:
+           dropout_p: float = 0.0, training: bool = False,
+           lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.dtype, str]:
     """softmax(q kᵀ / √hd + mask) v for q, k, v (B, H, T, hd), mask (B, 1, 1, T) bool (True = attend) or None;
-    (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in). `training`: the calling module's mode."""
+    (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in, "compiled" or "torch"). `training`: the
+    calling module's mode. `lengths` (B,): given when every sequence's real tokens are its first ones (mask the
+    prefix of that length), which lets `compiled_attention` run; the rows past a length are then zero, where
+    torch's kernel leaves the attention of padded queries (which no caller reads)."""
+    if (lengths is not None and compiled_applies(q, q.shape[-1], q.shape[2], dropout_p, training)
+            and q.dtype == k.dtype == v.dtype and q.stride(-1) == v.stride(-1) == 1):
+        return compiled_attention(q, k, v, lengths), torch.float32, "compiled"
     dtype = compute_dtype(q, training)
-    return attention_in(dtype, q, k, v, mask, dropout_p), dtype
+    return attention_in(dtype, q, k, v, mask, dropout_p), dtype, "torch"

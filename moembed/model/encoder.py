@@ -7,6 +7,8 @@ Padding is removed once at the embedding layer: every linear layer, MLP and MoE 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from moembed.model.config import EncoderConfig
 from moembed.model.activations import swiglu
-from moembed.model.attention import attend
+from moembed.model.attention import attend, compiled_applies, packed_attention
 from moembed.model.linear import Linear
 from moembed.model.recompute import then_recomputed
 from moembed.model.rope import apply_rope, batch_cos_sin, rope_cos_sin
@@ -121,14 +123,20 @@ class EncoderLayer(nn.Module):
     def attention(self, x: torch.Tensor, ctx: "_Context") -> torch.Tensor:
         B, T = ctx.shape
         H, hd = self.num_heads, self.head_dim
-        qkv = ctx.pad_keys(self.qkv(x))  # (B, T, 3d)
+        p = self.attention_dropout if self.training else 0.0
+        qkv = self.qkv(x)  # (N, 3d), real tokens only
+        if compiled_applies(qkv, hd, T, p, self.training) and ctx.cos is None and ctx.lengths is not None:
+            # CPU inference: the compiled kernel reads the packed rows and writes them, no padding either side
+            self.__dict__["last_attention_dtype"], self.__dict__["last_attention_kernel"] = torch.float32, "packed"
+            return packed_attention(qkv, ctx.starts, ctx.lengths, H)  # (N, d)
+        qkv = ctx.pad_keys(qkv)  # (B, T, 3d)
         q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
         if ctx.cos is not None:
             cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        p = self.attention_dropout if self.training else 0.0
-        a, dtype = attend(q, k, v, ctx.attn_mask, p, self.training)  # (B, H, T, hd)
-        self.__dict__["last_attention_dtype"] = dtype  # tests assert which precision ran
+        a, dtype, kernel = attend(q, k, v, ctx.attn_mask, p, self.training, ctx.lengths)  # (B, H, T, hd)
+        self.__dict__["last_attention_dtype"] = dtype  # tests assert which precision and kernel ran
+        self.__dict__["last_attention_kernel"] = kernel
         return ctx.unpad(a.transpose(1, 2).reshape(B, T, H * hd))  # (N, d)
 
     def forward(self, x: torch.Tensor, ctx: "_Context"):
@@ -152,6 +160,23 @@ class _Context:
         # SDPA boolean mask, True = attend; None when nothing is padded (lets SDPA take its fastest path).
         self.attn_mask = None if self.full else mask[:, None, None, :]  # (B, 1, 1, T)
         self.cos, self.sin = cos, sin
+        self.mask = mask
+
+    @functools.cached_property
+    def lengths(self) -> torch.Tensor | None:
+        """(B,) real tokens per sequence where each sequence's real tokens come first (right padding, as the
+        tokenizers pad), else None."""
+        B, T = self.shape
+        lengths = self.mask.sum(1)  # (B,)
+        if self.full or torch.equal(self.mask, torch.arange(T, device=self.mask.device) < lengths[:, None]):
+            return lengths
+        return None
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """(B,) each sequence's first packed row, where `lengths` is given (the packed rows are then sequence after
+        sequence)."""
+        return torch.cumsum(self.lengths, 0) - self.lengths
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(N, c) packed → (B, T, c) with zeros at padding."""

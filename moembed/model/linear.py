@@ -268,7 +268,7 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tenso
 
 def fused_rows():
     """`rowquant`'s compiled kernels for the int8 path's per-row work, or None: no C compiler, a failed build
-    (`rowquant.why_not`), or MOEMBED_NO_FASTPATH=1."""
+    (`rowquant.why_not()`), or MOEMBED_NO_FASTPATH=1."""
     return None if fastpaths_off() else rowquant.load()
 
 
@@ -278,7 +278,7 @@ def int8_path() -> str:
     grid = "full 8-bit grid" if kernel == "onednn" else "7-bit grid"
     if fused_rows() is not None:
         return f"{kernel} ({grid}), per-row quantisation compiled"
-    return f"{kernel} ({grid}), per-row quantisation in torch ops ({rowquant.why_not or 'MOEMBED_NO_FASTPATH=1'})"
+    return f"{kernel} ({grid}), per-row quantisation in torch ops ({rowquant.why_not() or 'MOEMBED_NO_FASTPATH=1'})"
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Tensor:

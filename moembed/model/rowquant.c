@@ -1,4 +1,5 @@
-/* The int8 path's element-wise work around oneDNN's quantised matmul, one pass each (moembed/model/rowquant.py).
+/* The int8 path's element-wise work around oneDNN's quantised matmul, one pass each (moembed/model/rowquant.py;
+   built by moembed/model/native.py).
 
    quantize_rows: x (N, k) float32 -> codes (N, k) uint8, m (N,), xo (N, o)
        m[i]       = max(max_j keep[j] * |x[i, j]|, 1e-12)       the row's range outside its outlier channels
