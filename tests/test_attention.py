@@ -152,6 +152,16 @@ def test_compiled_attention_is_the_equation_on_real_rows_and_zero_elsewhere(hd, 
 
 
 @needs_compiled
+def test_compiled_attention_of_an_empty_sequence_is_zero():
+    q, k, v = _qkv_views(2, 5, 2, 32)
+    with torch.no_grad():
+        out = attention.compiled_attention(q, k, v, torch.tensor([5, 0]))
+        packed = attention.packed_attention(torch.randn(3, 3 * 64), torch.tensor([0, 3, 3]), torch.tensor([3, 0, 0]), 2)
+    assert out[1].eq(0).all() and out[0].abs().sum() > 0
+    assert packed.isfinite().all()
+
+
+@needs_compiled
 def test_compiled_attention_does_not_depend_on_the_padding():
     # A sequence's result is computed over its own keys only: alone or padded into a longer batch, the same bits.
     q, k, v = _qkv_views(2, 40, 12, 32, seed=3)

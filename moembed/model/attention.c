@@ -1,18 +1,18 @@
 /* Encoder self-attention for CPU inference on short, right-padded sequences (moembed/model/attention.py).
 
-   attention(q, kt, v, ...): for each sequence b and head h, with L = lengths[b] real tokens,
-       out[b, i, h, :] = softmax_j<L(q[b, h, i, :] . kt[b, h, :, j] * scale) @ v[b, h, j<L, :]   for i < L
+   attention(q, k, v, ...): for each sequence b and head h, with L = lengths[b] real tokens,
+       out[b, i, h, :] = softmax_j<L(q[b, h, i, :] . k[b, h, j, :] * scale) @ v[b, h, j<L, :]    for i < L
        out[b, i, h, :] = 0                                                                       for i >= L
-   q and v (B, H, T, D) by strides (rows of D contiguous), kt = K transposed (B, H, D, T), out (B, T, H, D): the
-   padded layout; or the packed one, sequence after sequence with no padding, straight from and to the layers'
-   (N, 3 H D) and (N, H D) rows (q, v (N, H, D) in the projection, kt (H, D, N), out (N, H, D)), so that no gather
-   pads them and none drops the padding again. Offsets per sequence and strides say which (`Layout`). All float32
-   or all bfloat16 (widened on load); out float32.
+   q, k and v (B, H, T, D) by strides (rows of D contiguous), out (B, T, H, D): the padded layout; or the packed
+   one, sequence after sequence with no padding, straight from and to the layers' (N, 3 H D) and (N, H D) rows
+   (q, k, v (N, H, D) in the projection, out (N, H, D)), so that no gather pads them and none drops the padding
+   again; `Layout` says which. All float32 or all bfloat16 (widened on load); out float32.
 
    torch's CPU flash-attention kernel spends most of its time outside its matmuls at these shapes (12 heads of 32,
    T <= 128: 40-60 GFLOP/s on Zen 4 against ~180 for the linear layers). Here each (sequence, head) is one task:
-   four query rows at a time against 32 keys (eight vector accumulators over the head dimension), the softmax of
-   those four rows over the sequence's own L keys, then their product with V (four rows times D in accumulators).
+   its keys transposed in 16 x 16 blocks (keys along the vector lanes), then four query rows at a time against 32
+   keys (eight vector accumulators), the softmax of those four rows over the sequence's own L keys, then their
+   product with V (four rows times D in accumulators).
    Padded keys are skipped rather than masked, so a row's result depends on its own sequence only. D is 32 or 64
    (specialised so that the accumulators stay in registers); the caller uses torch's kernel otherwise. */
 
@@ -25,12 +25,36 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned l
 #define LOAD(p) (*(const v16u *)(p))
 #define STORE(p, x) (*(v16u *)(p) = (x))
 
-/* Where sequence b's values are, in elements: q[b, h, i, :] at q + q_base[b] + h q_h + i q_t, and v alike;
-   key j's dimension d at kt + k_base[b] + h k_h + d k_d + j; out[b, i, h, :] at out + o_base[b] + (i H + h) D. */
+/* Where sequence b's values are, in elements (s = starts[b], 0 without starts): q[b, h, i, :] at
+   q + b q_b + (s + i) q_t + h q_h, and k, v alike; out[b, i, h, :] at out + b o_b + ((s + i) H + h) D. */
 typedef struct {
-    const int64_t *q_base, *k_base, *v_base, *o_base;
-    int64_t q_h, q_t, k_h, k_d, v_h, v_t;
+    const int64_t *starts;
+    int64_t q_b, q_h, q_t, k_b, k_h, k_t, v_b, v_h, v_t, o_b;
 } Layout;
+
+/* The transpose of a 16 x 16 block held in 16 vectors, in four rounds of exchanges (1, 2, 4 then 8 apart). */
+typedef int32_t i16 __attribute__((vector_size(64)));
+static const i16 LO1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+static const i16 HI1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+static const i16 LO2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+static const i16 HI2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+static const i16 LO4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+static const i16 HI4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+static const i16 LO8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const i16 HI8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+#define EXCHANGE(W, LO, HI)                                                                                      \
+    for (int i = 0; i < 16; i++)                                                                                 \
+        if (!(i & W)) {                                                                                          \
+            const v16 x = a[i], y = a[i | W];                                                                    \
+            a[i] = __builtin_shuffle(x, y, LO);                                                                  \
+            a[i | W] = __builtin_shuffle(x, y, HI);                                                              \
+        }
+static inline void transpose16(v16 a[16]) {
+    EXCHANGE(1, LO1, HI1)
+    EXCHANGE(2, LO2, HI2)
+    EXCHANGE(4, LO4, HI4)
+    EXCHANGE(8, LO8, HI8)
+}
 
 #define RB 4      /* query rows per tile */
 #define KB 32     /* keys per score tile: two vectors */
@@ -55,37 +79,50 @@ static inline float exp_nonpositive(float x) {
 }
 
 #define DEFINE_ATTENTION(NAME, D, E, SCALAR, VLOAD)                                                               \
-static void NAME(const E *q, const E *kt, const E *v, int64_t B, int64_t H, int64_t T, const Layout *lay,        \
+static void NAME(const E *q, const E *k, const E *v, int64_t B, int64_t H, int64_t T, const Layout *y,           \
                  const int64_t *lengths, float scale, float *out) {                                              \
     enum { DV = D / 16 };                                                                                        \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                             \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                                     \
-        const int64_t b = bh / H, h = bh % H, L = lengths[b], kld = lay->k_d;                                    \
-        const E *qb = q + lay->q_base[b] + h * lay->q_h, *vb = v + lay->v_base[b] + h * lay->v_h;               \
-        const E *kb = kt + lay->k_base[b] + h * lay->k_h;                                                        \
-        float *ob = out + lay->o_base[b] + h * D;                                                                \
+        const int64_t b = bh / H, h = bh % H, L = lengths[b], st = y->starts ? y->starts[b] : 0;                 \
+        const E *qb = q + b * y->q_b + st * y->q_t + h * y->q_h, *vb = v + b * y->v_b + st * y->v_t + h * y->v_h; \
+        const E *kb = k + b * y->k_b + st * y->k_t + h * y->k_h;                                                 \
+        float *ob = out + b * y->o_b + st * H * D + h * D;                                                       \
         float s[RB][MAXT + KB] __attribute__((aligned(64)));                                                     \
-        float tail[D][KB] __attribute__((aligned(64)));  /* the last, partial tile of keys, zero-padded */       \
-        const int64_t full = L / KB * KB;                                                                        \
-        for (int d = 0; d < D; d++)                                                                              \
-            for (int j = 0; j < KB; j++) tail[d][j] = full + j < L ? SCALAR(kb + d * kld + full + j) : 0.0f;      \
+        const int64_t Lp = L > 0 ? (L + KB - 1) / KB * KB : KB;  /* whole tiles; keys past L are zero */         \
+        float kt[D * Lp] __attribute__((aligned(64)));  /* K transposed: keys along the lanes */                 \
+        for (int64_t j0 = 0; j0 < Lp; j0 += 16)                                                                  \
+            for (int d0 = 0; d0 < D; d0 += 16) {                                                                 \
+                v16 a[16];                                                                                       \
+                for (int r = 0; r < 16; r++) a[r] = j0 + r < L ? VLOAD(kb + (j0 + r) * y->k_t + d0) : (v16){0};  \
+                transpose16(a);                                                                                  \
+                for (int c = 0; c < 16; c++) STORE(kt + (d0 + c) * Lp + j0, a[c]);                               \
+            }                                                                                                    \
         for (int64_t i = L; i < T; i++) memset(ob + i * H * D, 0, D * sizeof(float));                            \
         for (int64_t i0 = 0; i0 < L; i0 += RB) {                                                                 \
             float qv[RB][D];                                                                                     \
             for (int r = 0; r < RB; r++) {  /* rows past L repeat the last one; they are not written */          \
-                const E *qi = qb + (i0 + r < L ? i0 + r : L - 1) * lay->q_t;                                     \
+                const E *qi = qb + (i0 + r < L ? i0 + r : L - 1) * y->q_t;                                       \
                 for (int d = 0; d < D; d++) qv[r][d] = SCALAR(qi + d) * scale;                                   \
             }                                                                                                    \
-            for (int64_t j0 = 0; j0 < L; j0 += KB) {  /* scores: (RB, KB) tiles */                               \
-                v16 a[RB][2];                                                                                    \
-                for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = (v16){0};                                       \
-                for (int d = 0; d < D; d++) {                                                                    \
-                    v16 k0, k1;                                                                                  \
-                    if (j0 < full) { k0 = VLOAD(kb + d * kld + j0); k1 = VLOAD(kb + d * kld + j0 + 16); }        \
-                    else { k0 = LOAD(&tail[d][0]); k1 = LOAD(&tail[d][16]); }                                    \
-                    for (int r = 0; r < RB; r++) { a[r][0] += qv[r][d] * k0; a[r][1] += qv[r][d] * k1; }        \
+            for (int64_t j0 = 0; j0 < L; j0 += KB) {  /* scores: (RB, KB) tiles, (RB, 16) for a short last one */ \
+                if (L - j0 > 16) {                                                                               \
+                    v16 a[RB][2];                                                                                \
+                    for (int r = 0; r < RB; r++) a[r][0] = a[r][1] = (v16){0};                                   \
+                    for (int d = 0; d < D; d++) {                                                                \
+                        const v16 k0 = LOAD(kt + d * Lp + j0), k1 = LOAD(kt + d * Lp + j0 + 16);                 \
+                        for (int r = 0; r < RB; r++) { a[r][0] += qv[r][d] * k0; a[r][1] += qv[r][d] * k1; }    \
+                    }                                                                                            \
+                    for (int r = 0; r < RB; r++) { STORE(&s[r][j0], a[r][0]); STORE(&s[r][j0 + 16], a[r][1]); } \
+                } else {                                                                                         \
+                    v16 a[RB];                                                                                   \
+                    for (int r = 0; r < RB; r++) a[r] = (v16){0};                                                \
+                    for (int d = 0; d < D; d++) {                                                                \
+                        const v16 k0 = LOAD(kt + d * Lp + j0);                                                   \
+                        for (int r = 0; r < RB; r++) a[r] += qv[r][d] * k0;                                      \
+                    }                                                                                            \
+                    for (int r = 0; r < RB; r++) STORE(&s[r][j0], a[r]);                                         \
                 }                                                                                                \
-                for (int r = 0; r < RB; r++) { STORE(&s[r][j0], a[r][0]); STORE(&s[r][j0 + 16], a[r][1]); }     \
             }                                                                                                    \
             float inv[RB];                                                                                       \
             for (int r = 0; r < RB; r++) {  /* softmax over the L real keys */                                   \
@@ -100,7 +137,7 @@ static void NAME(const E *q, const E *kt, const E *v, int64_t B, int64_t H, int6
             for (int r = 0; r < RB; r++)                                                                         \
                 for (int c = 0; c < DV; c++) o[r][c] = (v16){0};                                                 \
             for (int64_t j = 0; j < L; j++) {  /* (RB, L) @ (L, D) */                                            \
-                const E *vj = vb + j * lay->v_t;                                                                 \
+                const E *vj = vb + j * y->v_t;                                                                   \
                 for (int c = 0; c < DV; c++) {                                                                   \
                     const v16 x = VLOAD(vj + 16 * c);                                                            \
                     for (int r = 0; r < RB; r++) o[r][c] += s[r][j] * x;                                         \
@@ -132,20 +169,20 @@ DEFINE_ATTENTION(attention64, 64, float, F32_SCALAR, LOAD)
 DEFINE_ATTENTION(attention32_bf16, 32, uint16_t, bf16_scalar, bf16_vector)
 DEFINE_ATTENTION(attention64_bf16, 64, uint16_t, bf16_scalar, bf16_vector)
 
-/* q, kt, v float32 (bf16 = 0) or bfloat16 (bf16 = 1); out float32. T: rows of out per sequence (rows from
-   lengths[b] to T are zeroed; 0 for packed rows, nothing to zero). The offsets and strides of `Layout`, flattened.
-   0 when done; 1 (nothing written) for a head size or length this file does not handle. */
-int attention(const void *q, const void *kt, const void *v, int bf16, int64_t B, int64_t H, int64_t T, int64_t D,
-              const int64_t *q_base, const int64_t *k_base, const int64_t *v_base, const int64_t *o_base,
-              const int64_t *strides, const int64_t *lengths, float scale, float *out) {
-    const Layout lay = { q_base, k_base, v_base, o_base, strides[0], strides[1], strides[2], strides[3], strides[4],
-                         strides[5] };
+/* q, k, v float32 (bf16 = 0) or bfloat16 (bf16 = 1); out float32. T: rows of out per sequence (rows from
+   lengths[b] to T are zeroed; 0 for packed rows). starts: NULL for the padded layout. strides: q_b, q_h, q_t, k_b,
+   k_h, k_t, v_b, v_h, v_t, o_b (`Layout`). 0 when done; 1 (nothing written) for a head size or length this file
+   does not handle. */
+int attention(const void *q, const void *k, const void *v, int bf16, int64_t B, int64_t H, int64_t T, int64_t D,
+              const int64_t *starts, const int64_t *lengths, const int64_t *strides, float scale, float *out) {
+    const int64_t *x = strides;
+    const Layout y = { starts, x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9] };
     for (int64_t b = 0; b < B; b++)
         if (lengths[b] > MAXT) return 1;
-    if (D == 32 && !bf16) attention32(q, kt, v, B, H, T, &lay, lengths, scale, out);
-    else if (D == 64 && !bf16) attention64(q, kt, v, B, H, T, &lay, lengths, scale, out);
-    else if (D == 32) attention32_bf16(q, kt, v, B, H, T, &lay, lengths, scale, out);
-    else if (D == 64) attention64_bf16(q, kt, v, B, H, T, &lay, lengths, scale, out);
+    if (D == 32 && !bf16) attention32(q, k, v, B, H, T, &y, lengths, scale, out);
+    else if (D == 64 && !bf16) attention64(q, k, v, B, H, T, &y, lengths, scale, out);
+    else if (D == 32) attention32_bf16(q, k, v, B, H, T, &y, lengths, scale, out);
+    else if (D == 64) attention64_bf16(q, k, v, B, H, T, &y, lengths, scale, out);
     else return 1;
     return 0;
 }

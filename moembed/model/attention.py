@@ -71,7 +71,7 @@ def compiled() -> ctypes.CDLL | None:
     lib = native.load("attention")
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.attention.argtypes = [p, p, p, ctypes.c_int, i, i, i, i, p, p, p, p, p, p, ctypes.c_float, p]
+        lib.attention.argtypes = [p, p, p, ctypes.c_int, i, i, i, i, p, p, p, ctypes.c_float, p]
         lib.attention.restype = ctypes.c_int
     return lib
 
@@ -87,16 +87,13 @@ def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: flo
     )
 
 
-def _run(q, kt, v, lengths, out, rows, bases, strides) -> None:
-    """`attention.c` on q, kt, v with per-sequence element offsets `bases` (q, k, v, out) and `strides` (q_h, q_t,
-    k_h, k_d, v_h, v_t); `rows`: output rows per sequence to zero past its length (0: none)."""
+def _run(q, k, v, starts, lengths, out, rows: int, strides: tuple[int, ...]) -> None:
+    """`attention.c` (its `Layout`: `strides` = q_b, q_h, q_t, k_b, k_h, k_t, v_b, v_h, v_t, o_b; `starts` None for
+    the padded layout); `rows`: output rows per sequence, zero past its length (0 for packed rows)."""
     B, H, D = lengths.numel(), out.shape[-2], out.shape[-1]
-    bases = [b.to(torch.int64).contiguous() for b in bases]
-    strides = torch.tensor(strides, dtype=torch.int64)
-    lengths = lengths.to(torch.int64).contiguous()
-    rc = compiled().attention(q.data_ptr(), kt.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), B, H,
-                              rows, D, *(b.data_ptr() for b in bases), strides.data_ptr(), lengths.data_ptr(),
-                              D**-0.5, out.data_ptr())
+    rc = compiled().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), B, H,
+                              rows, D, None if starts is None else starts.data_ptr(), lengths.data_ptr(),
+                              (ctypes.c_int64 * 10)(*strides), D**-0.5, out.data_ptr())
     if rc != 0:  # unreachable after `compiled_applies`; kept so that a mismatch cannot return garbage
         raise RuntimeError(f"compiled attention refused B={B} H={H} hd={D} lengths up to {int(lengths.max())}")
 
@@ -104,28 +101,25 @@ def _run(q, kt, v, lengths, out, rows, bases, strides) -> None:
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Attention of q, k, v (B, H, T, hd) float32 or bf16 (rows of hd contiguous) over each sequence's first
     `lengths` (B,) keys, by `attention.c`, computed in float32 (bf16 values widened as they are loaded); (B, H, T,
-    hd) in q's dtype, a view of a (B, T, H, hd) buffer, zero at padded query rows."""
+    hd) in q's dtype, a view of a (B, T, H, hd) buffer, zero at padded query rows (and for a sequence of length
+    0)."""
     B, H, T, D = q.shape
-    kt = k.transpose(-1, -2).contiguous()  # (B, H, hd, T): keys along the vector lanes
     out = torch.empty(B, T, H, D)
-    b = torch.arange(B)
-    bases = (b * q.stride(0), b * H * D * T, b * v.stride(0), b * T * H * D)
-    _run(q, kt, v, lengths, out, T, bases, (q.stride(1), q.stride(2), D * T, T, v.stride(1), v.stride(2)))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], T * H * D)
+    _run(q, k, v, None, lengths.to(torch.int64).contiguous(), out, T, strides)
     return out.transpose(1, 2).to(q.dtype)
 
 
 def packed_attention(qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, heads: int) -> torch.Tensor:
     """Attention on packed rows: qkv (N, 3·H·hd), the q, k, v projections of sequences laid one after another
-    (sequence b in rows starts[b] .. starts[b] + lengths[b]), with no padding; (N, H·hd) in qkv's dtype. No
-    gather pads the rows for the kernel and none drops the padding after it (`Encoder`'s padded path does both)."""
+    (sequence b in rows starts[b] .. starts[b] + lengths[b], both (B,) int64), with no padding; (N, H·hd) in qkv's
+    dtype. No gather pads the rows for the kernel, none drops the padding after it (the padded path does both),
+    and the keys are transposed inside the kernel."""
     N, d = qkv.shape[0], qkv.shape[1] // 3
     D = d // heads
     qkv = qkv.contiguous()
-    kt = qkv[:, d : 2 * d].view(N, heads, D).permute(1, 2, 0).contiguous()  # (H, hd, N)
     out = torch.empty(N, heads, D)
-    starts = starts.to(torch.int64)
-    bases = (starts * 3 * d, starts, starts * 3 * d + 2 * d, starts * d)  # q, k, v, out: element offsets
-    _run(qkv, kt, qkv, lengths, out, 0, bases, (D, 3 * d, D * N, N, D, 3 * d))
+    _run(qkv, qkv[:, d:], qkv[:, 2 * d :], starts, lengths, out, 0, (0, D, 3 * d) * 3 + (0,))
     return out.view(N, d).to(qkv.dtype)
 
 
@@ -138,7 +132,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     prefix of that length), which lets `compiled_attention` run; the rows past a length are then zero, where
     torch's kernel leaves the attention of padded queries (which no caller reads)."""
     if (lengths is not None and compiled_applies(q, q.shape[-1], q.shape[2], dropout_p, training)
-            and q.dtype == k.dtype == v.dtype and q.stride(-1) == v.stride(-1) == 1):
+            and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
         return compiled_attention(q, k, v, lengths), torch.float32, "compiled"
     dtype = compute_dtype(q, training)
     return attention_in(dtype, q, k, v, mask, dropout_p), dtype, "torch"
