@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "expneg.h"
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads and stores */
 #define LOAD(p) (*(const v16u *)(p))
@@ -59,24 +61,6 @@ static inline void transpose16(v16 a[16]) {
 #define RB 4      /* query rows per tile */
 #define KB 32     /* keys per score tile: two vectors */
 #define MAXT 1024 /* longest sequence (the caller checks) */
-
-/* exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2; exp(r) by its degree-7 polynomial, 2^n by the exponent. */
-#pragma omp declare simd notinbranch
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln2 in two parts: r exact to float */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } u = { .f = p };
-    u.i += (int32_t)n << 23;
-    return u.f;
-}
 
 #define DEFINE_ATTENTION(NAME, D, E, SCALAR, VLOAD)                                                               \
 static void NAME(const E *q, const E *k, const E *v, int64_t B, int64_t H, int64_t T, const Layout *y,           \

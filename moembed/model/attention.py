@@ -16,11 +16,13 @@ everywhere.
 
 **Compiled attention for CPU inference.** torch's CPU flash kernel runs at 40-60 GFLOP/s at an encoder's shapes
 (12 heads of 32, T <= 128, Zen 4), a third of what the linear layers reach, and attention was 30% of int8 encode
-and 29% of bf16 encode (BENCHMARKS.md, "Attention compiled for CPU inference"). An inference call (no gradient,
-eval mode, no dropout) in float32 or bf16 on right-padded sequences (`lengths`) with heads of 32 or 64 runs
-`attention.c` instead (built by `moembed.model.native`; torch's kernel where no C compiler is found, or with
-MOEMBED_NO_FASTPATH=1): tiles of four queries by 32 keys held in registers, each sequence against its own real
-keys only, in float32 (bf16 inputs widened as they are loaded, so bf16 inference also gets float32 scores).
+and 29% of bf16 encode (BENCHMARKS.md, "Compiled CPU loops"). An inference call (no gradient, eval mode, no
+dropout) in float32 or bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead (built by
+`moembed.model.native`; torch's kernel where no C compiler is found, or with MOEMBED_NO_FASTPATH=1): tiles of four
+queries by 32 keys held in registers, each sequence against its own real keys only, in float32 (bf16 inputs
+widened as they are loaded, so bf16 inference gets float32 scores too). `packed_attention` reads the encoder's
+packed rows and writes them (no padding on either side); `attend(..., lengths=)` takes the padded layout (models
+with rotary positions, which are applied there).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "expneg.h"
+
 void quantize_rows(const float *x, int64_t N, int64_t k, const float *keep, float inv_step, float zero,
                    uint8_t *codes, float *m, const int64_t *outliers, int64_t o, float *xo) {
     #pragma omp parallel for schedule(static)
@@ -40,25 +42,6 @@ void quantize_rows(const float *x, int64_t N, int64_t k, const float *keep, floa
         }
         for (int64_t t = 0; t < o; t++) xo[i * o + t] = r[outliers[t]] / mi;
     }
-}
-
-/* exp(x) for x <= 0 (GELU needs no more): x = n ln2 + r, |r| <= ln2 / 2; exp(r) by its degree-7 polynomial
-   (relative error ~1e-7), 2^n by the exponent bits. */
-#pragma omp declare simd notinbranch
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln2 in two parts: r exact to float */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } u = { .f = p };
-    u.i += (int32_t)n << 23;
-    return u.f;
 }
 
 /* erf by Abramowitz and Stegun 7.1.26: absolute error below 1.5e-7, the form torch's own vectorised erf takes. */

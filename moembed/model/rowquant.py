@@ -6,10 +6,10 @@
 
 Around oneDNN's quantised matmul, `moembed.model.linear.int8_linear` quantises every row on its own range (so an
 embedding never depends on its batch) and rescales the product: in torch ops that is `abs`, `amax`, `div` and the
-quantiser before the matmul and `addcmul` and GELU after it, each a pass over the whole batch — 0.37 s of int8
-encode's 1.94 s of operators over 500 texts (torch.profiler, Zen 4), more than int8 saves on any other layer
-but the matmul. Here each is one loop over a row while it is in cache (0.21 s in the same profile; BENCHMARKS.md,
-"The int8 path's per-row work compiled"), and the codes are those of torch's quantiser to the bit.
+quantiser before the matmul and `addcmul` and GELU after it, each a pass over the whole batch: about 0.30 s of
+int8 encode's 1.94 s of operators over 500 texts (torch.profiler, Zen 4). Here each is one loop over a row while
+it is in cache (0.21 s in the same profile; BENCHMARKS.md, "Compiled CPU loops"), and the codes are those of
+torch's quantiser to the bit.
 """
 
 from __future__ import annotations
