@@ -122,7 +122,18 @@ def test_encoder_records_the_precision_and_matches_float32(upcast):
 
 # ---- compiled attention (CPU inference) --------------------------------------------------------------------------
 
-needs_compiled = pytest.mark.skipif(attention.compiled() is None, reason="no C compiler builds attention.c here")
+_no_compiler = pytest.mark.skipif(attention.compiled() is None, reason="no C compiler builds attention.c here")
+
+
+def needs_compiled(test):
+    """A test of the compiled kernel: switched on (MOEMBED_NO_FASTPATH=0), so that it runs on every CPU with a C
+    compiler, AVX2-only ones included, where it is off by default."""
+    return _no_compiler(pytest.mark.usefixtures("compiled_on")(test))
+
+
+@pytest.fixture
+def compiled_on(monkeypatch):
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")
 
 
 def _qkv_views(B, T, H, hd, seed=0):
@@ -190,7 +201,13 @@ def test_compiled_attention_only_for_inference_in_float32_or_bf16(monkeypatch):
         assert attend(q16, k16, v16, mask, lengths=lengths)[2] == "torch"  # heads of 16: not specialised
         monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
         assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"
-    monkeypatch.delenv("MOEMBED_NO_FASTPATH")
+        monkeypatch.delenv("MOEMBED_NO_FASTPATH")  # the default: where torch runs AVX-512 kernels
+        monkeypatch.setattr(attention, "_COMPILED_PAYS", True)
+        assert attend(q, k, v, mask, lengths=lengths)[2] == "compiled"
+        monkeypatch.setattr(attention, "_COMPILED_PAYS", False)  # AVX2 only: off unless asked for
+        assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"
+        monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")
+        assert attend(q, k, v, mask, lengths=lengths)[2] == "compiled"
     assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"  # gradient enabled
 
 

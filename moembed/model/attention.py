@@ -17,27 +17,32 @@ everywhere.
 **Compiled attention for CPU inference.** torch's CPU flash kernel runs at 40-60 GFLOP/s at an encoder's shapes
 (12 heads of 32, T <= 128, Zen 4), a third of what the linear layers reach, and attention was 30% of int8 encode
 and 29% of bf16 encode (BENCHMARKS.md, "Compiled CPU loops"). An inference call (no gradient, eval mode, no
-dropout) in float32 or bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead (built by
-`moembed.model.native`; torch's kernel where no C compiler is found, or with MOEMBED_NO_FASTPATH=1): tiles of four
-queries by 32 keys held in registers, each sequence against its own real keys only, in float32 (bf16 inputs
-widened as they are loaded, so bf16 inference gets float32 scores too). `packed_attention` reads the encoder's
-packed rows and writes them (no padding on either side); `attend(..., lengths=)` takes the padded layout (models
-with rotary positions, which are applied there).
+dropout) in float32 or bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead, built by
+`moembed.model.native`: by default where torch runs AVX-512 kernels, anywhere with MOEMBED_NO_FASTPATH=0, never
+with MOEMBED_NO_FASTPATH=1 or without a C compiler. Tiles of four queries by 32 keys are held in registers, each
+sequence is computed against its own real keys only, in float32 (bf16 inputs widened as they are loaded, so bf16
+inference gets float32 scores too). `packed_attention` reads the encoder's packed rows and writes them (no
+padding on either side); `attend(..., lengths=)` takes the padded layout (models with rotary positions, which are
+applied there).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
 from moembed.model import native
-from moembed.model.linear import cpu_flags, fastpaths_off
+from moembed.model.linear import cpu_flags, fastpaths_off, packing_pays
 
 COMPILED_HEAD_DIMS = (32, 64)  # what attention.c is specialised for
 COMPILED_MAX_LENGTH = 1024  # its longest sequence (its score rows live on the stack)
+# Measured faster where torch runs AVX-512 kernels (BENCHMARKS.md, "Compiled CPU loops"); on AVX2 its 16-wide
+# tiles become pairs of 8-wide vectors that do not fit the register file, and it was not measured there.
+_COMPILED_PAYS = packing_pays()
 
 def _upcast_pays() -> bool:
     """Not on AMX CPUs, whose tiles run bf16 attention natively (not measured here: bf16 is kept there)."""
@@ -81,11 +86,13 @@ def compiled() -> ctypes.CDLL | None:
 def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool) -> bool:
     """Whether the compiled kernel takes attention over `x` (q, or the q/k/v projection): a CPU inference call (no
     gradient, not training, no dropout) in float32 or bf16, heads of 32 or 64, sequences of at most
-    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), and the kernel built, unless MOEMBED_NO_FASTPATH=1."""
+    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), and the kernel built; by default where torch runs
+    AVX-512 kernels, MOEMBED_NO_FASTPATH=0 everywhere, MOEMBED_NO_FASTPATH=1 nowhere."""
+    switch = os.environ.get("MOEMBED_NO_FASTPATH", "")
     return (
         x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not training and dropout_p == 0.0
         and not torch.is_grad_enabled() and head_dim in COMPILED_HEAD_DIMS and length <= COMPILED_MAX_LENGTH
-        and not fastpaths_off() and compiled() is not None
+        and (switch == "0" or (switch == "" and _COMPILED_PAYS)) and compiled() is not None
     )
 
 

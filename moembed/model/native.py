@@ -50,13 +50,17 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+@functools.cache
+def _version(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def library_path(name: str, cc: str) -> Path:
     """The compiled `name` for compiler `cc` in `cache_dir`, named by a hash of what it depends on: the source and
     the headers beside it, the compiler (its --version), the flags and this CPU."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     cpu = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
     headers = [h.read_text() for h in sorted(Path(__file__).parent.glob("*.h"))]  # what the sources include
-    identity = "\n".join([source(name).read_text(), *headers, version, " ".join(FLAGS), platform.machine(),
+    identity = "\n".join([source(name).read_text(), *headers, _version(cc), " ".join(FLAGS), platform.machine(),
                           repr(sorted(cpu.items()))])
     return cache_dir() / f"{name}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.so"
 
