@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from moembed.model import native
-from moembed.model.linear import cpu_flags, fastpaths_off, packing_pays
+from moembed.model.linear import cpu_flags, fastpaths_off, packing_pays, switched_on
 
 COMPILED_HEAD_DIMS = (32, 64)  # what attention.c is specialised for
 COMPILED_MAX_LENGTH = 1024  # its longest sequence (its score rows live on the stack)
@@ -88,11 +87,10 @@ def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: flo
     gradient, not training, no dropout) in float32 or bf16, heads of 32 or 64, sequences of at most
     `COMPILED_MAX_LENGTH` tokens (`length`: the longest), and the kernel built; by default where torch runs
     AVX-512 kernels, MOEMBED_NO_FASTPATH=0 everywhere, MOEMBED_NO_FASTPATH=1 nowhere."""
-    switch = os.environ.get("MOEMBED_NO_FASTPATH", "")
     return (
         x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not training and dropout_p == 0.0
         and not torch.is_grad_enabled() and head_dim in COMPILED_HEAD_DIMS and length <= COMPILED_MAX_LENGTH
-        and (switch == "0" or (switch == "" and _COMPILED_PAYS)) and compiled() is not None
+        and switched_on(_COMPILED_PAYS) and compiled() is not None
     )
 
 

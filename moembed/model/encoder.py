@@ -166,9 +166,8 @@ class _Context:
     def lengths(self) -> torch.Tensor | None:
         """(B,) real tokens per sequence where each sequence's real tokens come first (right padding, as the
         tokenizers pad), else None."""
-        B, T = self.shape
         lengths = self.mask.sum(1)  # (B,)
-        if self.full or torch.equal(self.mask, torch.arange(T, device=self.mask.device) < lengths[:, None]):
+        if self.full or torch.equal(self.mask, torch.arange(self.shape[1], device=self.mask.device) < lengths[:, None]):
             return lengths
         return None
 

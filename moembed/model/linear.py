@@ -70,8 +70,13 @@ def fastpath(enabled: bool):
 def fastpath_enabled() -> bool:
     """Whether float32 CPU inference uses packed weights: MOEMBED_NO_FASTPATH unset, where `packing_pays`; 1, never;
     0, wherever this torch build has the packed kernels."""
+    return _HAS_PACKED and switched_on(_PACKING_PAYS)
+
+
+def switched_on(pays: bool) -> bool:
+    """A CPU fast path's switch: MOEMBED_NO_FASTPATH unset, `pays` (where it was measured faster); 0, on; 1, off."""
     switch = os.environ.get("MOEMBED_NO_FASTPATH", "")
-    return _HAS_PACKED and (switch == "0" or (switch == "" and _PACKING_PAYS))
+    return switch == "0" or (switch == "" and pays)
 
 
 def fastpaths_off() -> bool:
@@ -228,9 +233,8 @@ class Int8Weight:
     zero: torch.Tensor | None  # (n,) int32 zeros, the rows' zero points (symmetric), as oneDNN takes them
     outliers: torch.Tensor  # (o,) long, input channels computed in float32
     w_outliers: torch.Tensor  # (o, n) float32, W[:, outliers]ᵀ
-    bias: torch.Tensor | None  # (n,)
+    bias: torch.Tensor  # (n,) float32, zeros where the layer has none (the rescale adds it either way)
     keep: torch.Tensor  # (k,) float32, 0 at the outlier channels and 1 elsewhere (`rowquant`'s range mask)
-    shift: torch.Tensor  # (n,) float32, the bias or zeros (what `rowquant`'s rescale adds)
 
 
 def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor | None,
@@ -250,9 +254,8 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tenso
     w_outliers = w[:, out].t().contiguous()  # (o, n)
     w = w.index_fill(1, out, 0.0)
     scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # (n,) symmetric: max |w| of a row ↦ 127
-    bias = None if bias is None else bias.detach().float().contiguous()
+    bias = torch.zeros(w.shape[0]) if bias is None else bias.detach().float().contiguous()
     keep = torch.ones(w.shape[1]).index_fill_(0, out, 0.0)
-    shift = bias if bias is not None else torch.zeros(w.shape[0])
     with warnings.catch_warnings():  # the eager quantised-tensor API is deprecated; its kernels are not replaced yet
         warnings.simplefilter("ignore")
         if kernel == "onednn":
@@ -260,10 +263,10 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tenso
             torch.quantize_per_tensor(w[:1], *ONEDNN_GRID, torch.quint8)  # its one-time deprecation notice, here
             packed = torch.ops.onednn.qlinear_prepack(qw, None)
             zero = torch.zeros_like(scale, dtype=torch.int32)
-            return Int8Weight(kernel, packed, scale, zero, out, w_outliers, bias, keep, shift)
+            return Int8Weight(kernel, packed, scale, zero, out, w_outliers, bias, keep)
         qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
         packed = torch.ops.quantized.linear_prepack(qw, None)
-    return Int8Weight(kernel, packed, None, None, out, w_outliers, bias, keep, shift)
+    return Int8Weight(kernel, packed, None, None, out, w_outliers, bias, keep)
 
 
 def fused_rows():
@@ -301,7 +304,7 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Ten
                             "none", [], "")  # (N, n)
         if w.outliers.numel():
             y.addmm_(xo, w.w_outliers)  # (N, o) @ (o, n), on the row's scale like the int8 product
-        return rowquant.rescale_rows(lib, y, m, w.shift, gelu)
+        return rowquant.rescale_rows(lib, y, m, w.bias, gelu)
     xs = x.abs()  # (N, k), then the scaled rows
     if w.outliers.numel():
         xs.index_fill_(1, w.outliers, 0.0)
@@ -321,9 +324,9 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Ten
     if xo is not None:
         y.addmm_(xo, w.w_outliers)
     if lib is not None:  # fbgemm's product with the compiled rescale
-        return rowquant.rescale_rows(lib, y, m, w.shift, gelu)
+        return rowquant.rescale_rows(lib, y, m, w.bias, gelu)
     # in place: no second (N, n) buffer (a fresh one is page faults each call wherever malloc has trimmed its heap)
-    y = torch.addcmul(w.bias, y, m, out=y) if w.bias is not None else y.mul_(m)
+    y = torch.addcmul(w.bias, y, m, out=y)
     return INPLACE_ACTIVATIONS["gelu"](y) if gelu else y
 
 
