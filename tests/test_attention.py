@@ -163,6 +163,22 @@ def test_compiled_attention_is_the_equation_on_real_rows_and_zero_elsewhere(hd, 
 
 
 @needs_compiled
+@pytest.mark.parametrize("length", [5, 16, 21])
+def test_compiled_softmax_shifts_by_the_largest_real_score(length):
+    # Every real score near -120 (below exp's range): the softmax must subtract the largest of the sequence's own
+    # scores, not of the zero scores that padded key lanes of its tiles hold, or every weight would underflow alike.
+    g = torch.Generator().manual_seed(7)
+    q = torch.ones(1, 1, length, 32) * 4.0
+    k = -torch.ones(1, 1, length, 32) * (120 * 32**0.5 / (4.0 * 32)) + 0.3 * torch.randn(1, 1, length, 32, generator=g)
+    v = torch.randn(1, 1, length, 32, generator=g)
+    with torch.no_grad():
+        out, _, kernel = attend(q, k, v, None, lengths=torch.tensor([length]))
+    scores = (q @ k.transpose(-1, -2)) * 32**-0.5
+    assert kernel == "compiled" and scores.max() < -100
+    assert (out - _equation(q, k, v, torch.ones(1, 1, 1, length, dtype=torch.bool))).abs().max().item() < 2e-5
+
+
+@needs_compiled
 def test_compiled_attention_of_an_empty_sequence_is_zero():
     q, k, v = _qkv_views(2, 5, 2, 32)
     with torch.no_grad():

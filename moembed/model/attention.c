@@ -10,9 +10,11 @@
 
    torch's CPU flash-attention kernel spends most of its time outside its matmuls at these shapes (12 heads of 32,
    T <= 128: 40-60 GFLOP/s on Zen 4 against ~180 for the linear layers). Here each (sequence, head) is one task:
-   its keys transposed in 16 x 16 blocks (keys along the vector lanes), then four query rows at a time against 32
-   keys (eight vector accumulators), the softmax of those four rows over the sequence's own L keys, then their
-   product with V (four rows times D in accumulators).
+   its keys transposed in 16 x 16 blocks (keys along the vector lanes), then eight query rows at a time against 32
+   keys (sixteen vector accumulators), the softmax of those eight rows over the sequence's own L keys on whole
+   vectors, then their product with V, 32 columns at a time (sixteen accumulators again). Eight rows rather than
+   four, vector softmax and its reductions by shuffles: 1.33x (heads of 32) and 1.22x (64) the four-row loop with
+   a vectorised scalar softmax on Zen 4, over the lengths of real news texts.
    Padded keys are skipped rather than masked, so a row's result depends on its own sequence only. D is 32 or 64
    (specialised so that the accumulators stay in registers); the caller uses torch's kernel otherwise. */
 
@@ -58,11 +60,41 @@ static inline void transpose16(v16 a[16]) {
     EXCHANGE(8, LO8, HI8)
 }
 
-#define RB 4      /* query rows per tile */
+
+/* x with the lanes at positions j0 + lane >= L set to `fill`. */
+static const i16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static inline v16 masked(v16 x, int64_t j0, int64_t L, float fill) {
+    const i16 keep = (LANE + (int32_t)j0) < (int32_t)L;
+    const v16 f = (v16){0} + fill;
+    return (v16)(((i16)x & keep) | ((i16)f & ~keep));
+}
+static inline v16 vmax(v16 a, v16 b) {
+    const i16 ge = a >= b;
+    return (v16)(((i16)a & ge) | ((i16)b & ~ge));
+}
+/* Horizontal max and sum in four halving steps (a fixed order, so a row's sum depends on its own scores only). */
+static const i16 H8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+static const i16 H4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+static const i16 H2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+static const i16 H1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+static inline float hmax(v16 x) {
+    x = vmax(x, __builtin_shuffle(x, H8));
+    x = vmax(x, __builtin_shuffle(x, H4));
+    x = vmax(x, __builtin_shuffle(x, H2));
+    return vmax(x, __builtin_shuffle(x, H1))[0];
+}
+static inline float hsum(v16 x) {
+    x += __builtin_shuffle(x, H8);
+    x += __builtin_shuffle(x, H4);
+    x += __builtin_shuffle(x, H2);
+    return (x + __builtin_shuffle(x, H1))[0];
+}
+
+#define RB 8      /* query rows per tile */
 #define KB 32     /* keys per score tile: two vectors */
 #define MAXT 1024 /* longest sequence (the caller checks) */
 
-#define DEFINE_ATTENTION(NAME, D, E, SCALAR, VLOAD)                                                               \
+#define DEFINE_ATTENTION(NAME, D, E, VLOAD)                                                                     \
 static void NAME(const E *q, const E *k, const E *v, int64_t B, int64_t H, int64_t T, const Layout *y,           \
                  const int64_t *lengths, float scale, float *out) {                                              \
     enum { DV = D / 16 };                                                                                        \
@@ -84,10 +116,10 @@ static void NAME(const E *q, const E *k, const E *v, int64_t B, int64_t H, int64
             }                                                                                                    \
         for (int64_t i = L; i < T; i++) memset(ob + i * H * D, 0, D * sizeof(float));                            \
         for (int64_t i0 = 0; i0 < L; i0 += RB) {                                                                 \
-            float qv[RB][D];                                                                                     \
+            float qv[RB][D] __attribute__((aligned(64)));                                                        \
             for (int r = 0; r < RB; r++) {  /* rows past L repeat the last one; they are not written */          \
                 const E *qi = qb + (i0 + r < L ? i0 + r : L - 1) * y->q_t;                                       \
-                for (int d = 0; d < D; d++) qv[r][d] = SCALAR(qi + d) * scale;                                   \
+                for (int c = 0; c < DV; c++) STORE(&qv[r][16 * c], VLOAD(qi + 16 * c) * scale);                  \
             }                                                                                                    \
             for (int64_t j0 = 0; j0 < L; j0 += KB) {  /* scores: (RB, KB) tiles, (RB, 16) for a short last one */ \
                 if (L - j0 > 16) {                                                                               \
@@ -109,27 +141,31 @@ static void NAME(const E *q, const E *k, const E *v, int64_t B, int64_t H, int64
                 }                                                                                                \
             }                                                                                                    \
             float inv[RB];                                                                                       \
-            for (int r = 0; r < RB; r++) {  /* softmax over the L real keys */                                   \
-                float top = -INFINITY, sum = 0.0f;                                                               \
-                _Pragma("omp simd reduction(max:top)")                                                           \
-                for (int64_t j = 0; j < L; j++) top = s[r][j] > top ? s[r][j] : top;                             \
-                _Pragma("omp simd reduction(+:sum)")                                                             \
-                for (int64_t j = 0; j < L; j++) { s[r][j] = exp_nonpositive(s[r][j] - top); sum += s[r][j]; }    \
-                inv[r] = 1.0f / sum;                                                                             \
-            }                                                                                                    \
-            v16 o[RB][DV];                                                                                       \
-            for (int r = 0; r < RB; r++)                                                                         \
-                for (int c = 0; c < DV; c++) o[r][c] = (v16){0};                                                 \
-            for (int64_t j = 0; j < L; j++) {  /* (RB, L) @ (L, D) */                                            \
-                const E *vj = vb + j * y->v_t;                                                                   \
-                for (int c = 0; c < DV; c++) {                                                                   \
-                    const v16 x = VLOAD(vj + 16 * c);                                                            \
-                    for (int r = 0; r < RB; r++) o[r][c] += s[r][j] * x;                                         \
+            for (int r = 0; r < RB; r++) {  /* softmax over the L real keys (lanes past L: -inf, then 0) */      \
+                v16 top = (v16){0} - INFINITY;                                                                   \
+                for (int64_t j0 = 0; j0 < L; j0 += 16) top = vmax(top, masked(LOAD(&s[r][j0]), j0, L, -INFINITY)); \
+                const float m = hmax(top);                                                                       \
+                v16 sum = {0};                                                                                   \
+                for (int64_t j0 = 0; j0 < L; j0 += 16) {                                                         \
+                    const v16 e = masked(exp_nonpositive16(LOAD(&s[r][j0]) - m), j0, L, 0.0f);                  \
+                    STORE(&s[r][j0], e);                                                                         \
+                    sum += e;                                                                                    \
                 }                                                                                                \
+                inv[r] = 1.0f / hsum(sum);                                                                       \
             }                                                                                                    \
-            for (int r = 0; r < RB && i0 + r < L; r++) {                                                         \
-                float *dst = ob + (i0 + r) * H * D;                                                              \
-                for (int c = 0; c < DV; c++) STORE(dst + 16 * c, o[r][c] * inv[r]);                              \
+            for (int c = 0; c < DV; c += 2) {  /* (RB, L) @ (L, 32 of the D columns) */                          \
+                v16 o[RB][2];                                                                                    \
+                for (int r = 0; r < RB; r++) o[r][0] = o[r][1] = (v16){0};                                       \
+                for (int64_t j = 0; j < L; j++) {                                                                \
+                    const E *vj = vb + j * y->v_t + 16 * c;                                                      \
+                    const v16 x0 = VLOAD(vj), x1 = VLOAD(vj + 16);                                               \
+                    for (int r = 0; r < RB; r++) { o[r][0] += s[r][j] * x0; o[r][1] += s[r][j] * x1; }           \
+                }                                                                                                \
+                for (int r = 0; r < RB && i0 + r < L; r++) {                                                     \
+                    float *dst = ob + (i0 + r) * H * D + 16 * c;                                                 \
+                    STORE(dst, o[r][0] * inv[r]);                                                                \
+                    STORE(dst + 16, o[r][1] * inv[r]);                                                           \
+                }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
     }                                                                                                            \
@@ -138,20 +174,15 @@ static void NAME(const E *q, const E *k, const E *v, int64_t B, int64_t H, int64
 /* bfloat16 inputs: the upper half of a float32, widened on load (the arithmetic stays float32) */
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-static inline float bf16_scalar(const uint16_t *p) {
-    union { uint32_t i; float f; } u = { .i = (uint32_t)*p << 16 };
-    return u.f;
-}
 static inline v16 bf16_vector(const uint16_t *p) {
     const u32x16 w = __builtin_convertvector(*(const u16x16 *)p, u32x16) << 16;
     return (v16)w;
 }
-#define F32_SCALAR(p) (*(p))
 
-DEFINE_ATTENTION(attention32, 32, float, F32_SCALAR, LOAD)
-DEFINE_ATTENTION(attention64, 64, float, F32_SCALAR, LOAD)
-DEFINE_ATTENTION(attention32_bf16, 32, uint16_t, bf16_scalar, bf16_vector)
-DEFINE_ATTENTION(attention64_bf16, 64, uint16_t, bf16_scalar, bf16_vector)
+DEFINE_ATTENTION(attention32, 32, float, LOAD)
+DEFINE_ATTENTION(attention64, 64, float, LOAD)
+DEFINE_ATTENTION(attention32_bf16, 32, uint16_t, bf16_vector)
+DEFINE_ATTENTION(attention64_bf16, 64, uint16_t, bf16_vector)
 
 /* q, k, v float32 (bf16 = 0) or bfloat16 (bf16 = 1); out float32. T: rows of out per sequence (rows from
    lengths[b] to T are zeroed; 0 for packed rows). starts: NULL for the padded layout. strides: q_b, q_h, q_t, k_b,
