@@ -251,3 +251,46 @@ def test_absolute_positions_refuse_overlong_input():
     enc = Encoder(tiny_config("bert", max_position=8))
     with pytest.raises(ValueError, match="max_position"):
         enc(torch.ones(1, 9, dtype=torch.long))
+
+
+# ---- built for a checkpoint: no random initial values ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bert", "nomic"])
+def test_for_weights_draws_no_random_values(family):
+    # Encoder(config) draws its initial weights from torch's generator; for_weights, whose every weight a checkpoint
+    # overwrites, draws none, on the CPU or on the meta device, and leaves the initialisers working afterwards.
+    cfg = tiny_config(family, moe=MoEConfig(num_experts=4, top_k=2, layers=[1]))
+    state = torch.random.get_rng_state()
+    Encoder(cfg)
+    assert not torch.equal(torch.random.get_rng_state(), state)
+    state = torch.random.get_rng_state()
+    built = Encoder.for_weights(cfg)
+    with torch.device("meta"):
+        meta = Encoder.for_weights(cfg)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    shapes = [{k: v.shape for k, v in m.state_dict().items()} for m in (built, meta, Encoder(cfg))]
+    assert shapes[0] == shapes[1] == shapes[2]
+    assert not torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_for_weights_skips_initialisers_in_its_own_thread_only():
+    import threading
+
+    from moembed.model.encoder import _NoRandomInit
+
+    drew = []
+
+    def build():  # another thread, while this one is inside the mode: initialised as usual
+        before = torch.random.get_rng_state()
+        torch.nn.Linear(8, 8)
+        drew.append(not torch.equal(torch.random.get_rng_state(), before))
+
+    with _NoRandomInit():
+        state = torch.random.get_rng_state()
+        torch.nn.Linear(8, 8)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        t = threading.Thread(target=build)
+        t.start()
+        t.join()
+    assert drew == [True]

@@ -137,3 +137,19 @@ def test_moe_or_rotary_models_are_not_exported_as_bert(make_tiny, tmp_path):
     modules = json.loads((tmp_path / "st" / "modules.json").read_text())
     assert modules[0]["type"] == "moembed.model.st_module.MoembedEncoder"
     assert json.loads((tmp_path / "st" / "config.json").read_text())["format"] == "moembed"
+
+
+def test_loading_a_hugging_face_directory_imports_no_compiler_stack(make_tiny, tmp_path):
+    # The shape check builds the encoder on the meta device; drawing its initial values there ran torch's Python
+    # normal_, which imported torch._dynamo: 1.5 s of every `moembed encode` of a Hugging Face model.
+    import subprocess
+    import sys
+
+    export_sentence_transformers(make_tiny("bert"), tmp_path / "st")
+    code = ("import sys, torch\n"
+            "before = 'torch._dynamo' in sys.modules\n"
+            "from moembed.model.embedder import Embedder\n"
+            f"Embedder.load({str(tmp_path / 'st')!r})\n"
+            "print(before, 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]

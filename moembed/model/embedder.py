@@ -404,7 +404,7 @@ class Embedder(nn.Module):
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
         """An Embedder in eval mode; weights that do not fit the config raise, naming the file and the weight."""
-        encoder = Encoder(parts.config)
+        encoder = Encoder.for_weights(parts.config)  # every weight is loaded below (`_check_state`)
         _check_state(encoder, parts.state_dict, parts.weights_path)
         encoder.load_state_dict(parts.state_dict)
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from moembed.model.config import EncoderConfig
 from moembed.model.activations import swiglu
@@ -205,6 +206,19 @@ class _Context:
         return x if self.full else x.index_select(0, self.index)
 
 
+class _NoRandomInit(TorchFunctionMode):
+    """Random initialisers as no-ops while modules are built (`Encoder.for_weights`). A torch function mode holds
+    for the current thread only, so a model built in another thread at the same time is initialised as usual."""
+
+    SKIPPED = {nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.trunc_normal_,
+               nn.init.xavier_uniform_, torch.Tensor.normal_, torch.Tensor.uniform_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]  # the tensor, as the initialisers return it
+        return func(*args, **(kwargs or {}))
+
+
 class Encoder(nn.Module):
     """Bidirectional transformer encoder. forward(input_ids (B, T), attention_mask (B, T)) → EncoderOutput."""
 
@@ -214,6 +228,15 @@ class Encoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
         self.apply(self._init_weights)
+
+    @classmethod
+    def for_weights(cls, config: EncoderConfig) -> Encoder:
+        """An encoder whose every weight a checkpoint is about to overwrite: built without drawing random initial
+        values (its tensors hold whatever memory they get until loaded). Loading all-MiniLM-L6-v2 drew 33M normal
+        values in 0.3 s; on the meta device (the shape check of `moembed.model.io`) torch's Python `normal_` also
+        imported torch._dynamo, 1.5 s of every `moembed encode`."""
+        with _NoRandomInit():
+            return cls(config)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

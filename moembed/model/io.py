@@ -169,7 +169,7 @@ def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig
         return
     try:
         with torch.device("meta"):
-            expected = family.weights_to_hf(Encoder(config).state_dict(), config)
+            expected = family.weights_to_hf(Encoder.for_weights(config).state_dict(), config)
     except (NotImplementedError, RuntimeError):  # a write-back that needs real values: leave it to from_parts
         return
     for name, tensor in raw.items():
