@@ -18,7 +18,7 @@ def to_lookup(emb: Embedder) -> Embedder:
     if emb.config.move is None:
         raise ValueError("this model has no MoVE embedding layer")
     table = emb.encoder.embeddings.word.precompute_table()  # (|V_l|, d)
-    encoder = Encoder(emb.config.model_copy(update={"move": None}))
+    encoder = Encoder.for_weights(emb.config.model_copy(update={"move": None}))  # all loaded below (strict)
     sd = {k: v for k, v in emb.encoder.state_dict().items() if not k.startswith("embeddings.word.")}
     sd["embeddings.word.weight"] = table
     encoder.load_state_dict(sd)

@@ -17,7 +17,7 @@ def to_rotary(emb: Embedder) -> Embedder:
     if emb.config.position == "rotary":
         raise MoembedError("mlm.to_rotary: the model already uses rotary positions")
     cfg = EncoderConfig(**{**emb.config.model_dump(), "position": "rotary"})
-    encoder = Encoder(cfg)
+    encoder = Encoder.for_weights(cfg)  # every weight is loaded below (strict)
     sd = {k: v for k, v in emb.encoder.state_dict().items() if k != "embeddings.position.weight"}
     encoder.load_state_dict(sd, strict=True)
     return emb.derive(encoder, calibration=None)
