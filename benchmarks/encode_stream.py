@@ -54,8 +54,8 @@ def corpus(path: Path, lines: int) -> int:
     return min(lines, len(texts))
 
 
-def measure(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(peak RSS in MiB, wall seconds) of one child process."""
+def measure(cmd: list[str], env: dict) -> tuple[float, float, float]:
+    """(peak RSS in MiB, wall seconds, CPU seconds: user + system) of one child process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -64,7 +64,7 @@ def measure(cmd: list[str], env: dict) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:6])}... failed ({proc.returncode}):\n{err[-2000:]}")
-    return usage.ru_maxrss / 1024, wall  # ru_maxrss is in KiB on Linux
+    return usage.ru_maxrss / 1024, wall, usage.ru_utime + usage.ru_stime  # ru_maxrss is in KiB on Linux
 
 
 def shallow(minilm: Path, out: Path) -> str:
@@ -122,7 +122,7 @@ def main() -> None:
                 else:
                     cmd = [sys.executable, "-c", IN_MEMORY, args.model, str(src), str(out), str(args.max_length),
                            str(args.batch_size)]
-                rss, wall = measure(cmd, env)
+                rss, wall, _ = measure(cmd, env)
                 outs[mode] = out
                 print(f"{lines:>8} lines ({distinct} distinct)  {mode:<6}  peak RSS {rss:8.0f} MiB  "
                       f"{wall:7.1f} s  {lines / wall:6.0f} texts/s", flush=True)
