@@ -406,6 +406,22 @@ def test_upcycled_minilm_reproduces_dense_embeddings(minilm):
     assert 0.99 < (noisy.encode(texts) * dense).sum(1).min() < 0.99999
 
 
+@pytest.mark.parametrize("family", ["bert", "nomic"])
+def test_upcycle_sets_every_weight_and_draws_only_its_routers(make_tiny, monkeypatch, family):
+    # Built without random initial values (Encoder.for_weights), the upcycled encoder must end up with the same bits
+    # as one built with them: every weight is copied or drawn from the upcycle's own seeded generator.
+    from moembed.model.encoder import Encoder
+
+    dense = make_tiny(family, num_layers=4)
+    state = torch.random.get_rng_state()
+    fast = upcycle(dense, num_experts=4, top_k=2, every=2, noise=0.1, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)  # nothing drawn from the global generator
+    monkeypatch.setattr(Encoder, "for_weights", classmethod(lambda cls, config: cls(config)))
+    drawn = upcycle(dense, num_experts=4, top_k=2, every=2, noise=0.1, seed=5)
+    a, b = fast.encoder.state_dict(), drawn.encoder.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_upcycle_copies_weights_and_without_renormalisation_differs(make_tiny):
     dense = make_tiny("nomic", num_layers=4)
     moe = upcycle(dense, num_experts=3, top_k=2, every=2, offset=0)

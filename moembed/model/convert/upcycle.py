@@ -61,7 +61,7 @@ def upcycle(
         raise MoembedError(f"upcycle: every={every}, offset={offset} selects no layer of {src.num_layers}")
 
     gen = torch.Generator().manual_seed(seed)
-    encoder = Encoder(config)
+    encoder = Encoder.for_weights(config)  # every weight is set below: routers drawn, the rest copied
     with torch.no_grad():
         for layer in encoder.layers:  # fresh router: N(0, 0.02) as the encoder's other linears, seeded
             if hasattr(layer.mlp, "router"):
