@@ -13,7 +13,7 @@
    its keys transposed in 16 x 16 blocks (keys along the vector lanes), then eight query rows at a time against 32
    keys (sixteen vector accumulators), the softmax of those eight rows over the sequence's own L keys on whole
    vectors, then their product with V, 32 columns at a time (sixteen accumulators again). Eight rows rather than
-   four, vector softmax and its reductions by shuffles: 1.33x (heads of 32) and 1.22x (64) the four-row loop with
+   four, vector softmax and its reductions by shuffles: 1.33-1.37x (heads of 32) and 1.22x (64) the four-row loop with
    a vectorised scalar softmax on Zen 4, over the lengths of real news texts.
    Padded keys are skipped rather than masked, so a row's result depends on its own sequence only. D is 32 or 64
    (specialised so that the accumulators stay in registers); the caller uses torch's kernel otherwise. */

@@ -19,7 +19,7 @@ everywhere.
 and 29% of bf16 encode (BENCHMARKS.md, "Compiled CPU loops"). An inference call (no gradient, eval mode, no
 dropout) in float32 or bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead, built by
 `moembed.model.native`: by default where torch runs AVX-512 kernels, anywhere with MOEMBED_NO_FASTPATH=0, never
-with MOEMBED_NO_FASTPATH=1 or without a C compiler. Tiles of four queries by 32 keys are held in registers, each
+with MOEMBED_NO_FASTPATH=1 or without a C compiler. Tiles of eight queries by 32 keys are held in registers, each
 sequence is computed against its own real keys only, in float32 (bf16 inputs widened as they are loaded, so bf16
 inference gets float32 scores too). `packed_attention` reads the encoder's packed rows and writes them (no
 padding on either side); `attend(..., lengths=)` takes the padded layout (models with rotary positions, which are
