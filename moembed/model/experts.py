@@ -7,13 +7,13 @@ expert, it runs them:
     loop          a Python loop over the E experts, each on its contiguous slice (any device, any dtype)
     grouped       two grouped matmuls over all slices (`torch._grouped_mm`, a private API probed once per device
                   and dtype by `grouped_support`); under autocast the weights are cast once per weight version
-    packed_loop   CPU inference: the loop on oneDNN-packed float32 or bf16 weights, GELU fused into fc1,
-                  rows padded to `ROW_MULTIPLE`
+    packed_parts  CPU inference: the loop on oneDNN-packed float32 or bf16 weights, GELU fused into fc1, on
+                  slices the dispatch padded to `ROW_MULTIPLE` rows, each expert's output left in its own buffer
     int8_loop     CPU inference after `linear.quantize_int8`: int8 weights, per-row quantised activations
     padded        fixed-capacity (E, C, d) batched matmuls (`MoEConfig.capacity_factor`)
 
-`packed_loop`, and `grouped` in bf16 on a CPU, pad each expert's rows to a multiple of `ROW_MULTIPLE`: there the
-matmul kernel is made per shape.
+`packed_parts` (through the dispatch), and `grouped` in bf16 on a CPU, pad each expert's rows to a multiple of
+`ROW_MULTIPLE`: there the matmul kernel is made per shape.
 
 Which one runs is the block's choice (`MoEBlock.compute`); every one gives the same result up to rounding.
 """
@@ -198,7 +198,7 @@ class Experts(nn.Module):
     # or bf16 under bf16 autocast where bf16 matmuls are native (no per-pass cast, no generic grouped matmul).
 
     def packed_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """The dtype `packed_loop` runs in for this call (`linear.packed_dtype`), or None where it does not apply."""
+        """The dtype `packed_parts` runs in for this call (`linear.packed_dtype`), or None where it does not apply."""
         return packed_dtype(self, x) if self.fc1_weight.dtype == torch.float32 else None
 
     def _packed(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -207,24 +207,24 @@ class Experts(nn.Module):
             (pack(self.fc1_weight[e], dtype), pack(self.fc2_weight[e], dtype)) for e in range(self.num_experts)
         ])
 
-    def packed_loop(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`loop` on oneDNN-packed weights in `dtype` (see `packed_dtype`); float32 biases are added in the kernel.
-        Each expert's rows are padded to a multiple of `row_multiple` (a row's result does not depend on its
-        neighbours, padding included)."""
+    def packed_parts(self, x: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Each expert on its slice of x (M', d) in `dtype`, slices of `sizes` rows (padded by the dispatch to
+        multiples of `row_multiple`, for the kernels' sake), on oneDNN-packed weights (see `packed_dtype`): one
+        (sizes[e], d) output per expert, in a buffer of its own (None for an expert without rows), for
+        `moembed.model.moe`'s combine to read in place. Float32 biases are added in the kernel."""
         packed, gelu = self._packed(dtype), self.kind == "gelu"  # GELU as fc1's post-op (`linear.packed_linear`)
-        out = []
-        for e, p in enumerate(torch.split(x.to(dtype), counts.tolist())):
-            n = p.shape[0]
-            if n:
-                w1, w2 = packed[e]
-                b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
-                b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
-                if n % self.row_multiple:  # zero rows, dropped from the output
-                    p = F.pad(p, (0, 0, 0, -n % self.row_multiple))
-                h = packed_linear(p, w1, b1, gelu)
-                a = h if gelu else self.act(h).contiguous()
-                out.append(packed_linear(a, w2, b2)[:n])
-        return torch.cat(out or [x[:0].to(dtype)])
+        out: list[torch.Tensor | None] = []
+        for e, p in enumerate(torch.split(x.to(dtype), sizes)):
+            if not p.shape[0]:
+                out.append(None)
+                continue
+            w1, w2 = packed[e]
+            b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
+            b2 = self.fc2_bias[e] if self.fc2_bias is not None else None
+            h = packed_linear(p, w1, b1, gelu)
+            a = h if gelu else self.act(h).contiguous()
+            out.append(packed_linear(a, w2, b2).contiguous())
+        return out
 
     def can_int8(self, x: torch.Tensor) -> bool:
         """Whether `int8_loop` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU

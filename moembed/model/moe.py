@@ -14,6 +14,11 @@ Computation is split in four steps so that expert parallelism can later wrap `di
 all-to-all: `route` (router logits, gates, chosen experts) → `dispatch` (token copies sorted by expert, one
 contiguous slice per expert) → `Experts.grouped` (every expert on its slice) → `combine` (gate-weighted sum).
 
+CPU inference on oneDNN-packed expert weights takes the same steps in fewer passes over the (N·k, d) copies: the
+dispatch gathers them straight into slices padded for the kernels (`Experts.row_multiple`), each expert keeps its
+own output buffer, and `combine.c` sums every token's k rows from where they are (no concatenation, no second
+gather); where no C compiler builds it, the same sums in torch ops.
+
 Dropless by default: every assignment is computed, however unbalanced. With `capacity_factor` each expert
 takes at most C = ceil(capacity_factor · N · k / E) assignments in a fixed-shape (E, C, d) buffer, as on
 accelerators that want static shapes; assignments past an expert's capacity are dropped (they add nothing,
@@ -23,6 +28,8 @@ Assignments compete in token order (earlier tokens first).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -32,8 +39,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moembed.model import native
 from moembed.model.config import EncoderConfig
-from moembed.model.experts import Experts, grouped_support
+from moembed.model.experts import Experts, grouped_support, padded_positions
 
 Dispatch = Literal["auto", "grouped", "loop", "naive"]
 DISPATCH_MODES = ("auto", "grouped", "loop", "naive")
@@ -59,9 +67,11 @@ class Routing:
 
 @dataclass
 class Dispatched:
-    tokens: torch.Tensor  # (M, d) token copies sorted by expert (M = N·k dropless)
-    source: torch.Tensor  # (M,) long, flat assignment index n·k + j of each row
-    counts: torch.Tensor  # (E,) long, rows per expert (contiguous, in expert order)
+    tokens: torch.Tensor  # (M', d) token copies sorted by expert (M' = M = N·k dropless, unpadded)
+    source: torch.Tensor  # (M,) long, flat assignment index n·k + j of each sorted copy
+    counts: torch.Tensor  # (E,) long, copies per expert (contiguous, in expert order)
+    sizes: list[int] | None = None  # padded: rows per expert in `tokens` (counts rounded up), else None
+    at: torch.Tensor | None = None  # padded: (M,) long, the row of `tokens` holding each sorted copy, else None
 
 
 class MoEBlock(nn.Module):
@@ -100,25 +110,36 @@ class MoEBlock(nn.Module):
             gates = gates / gates.sum(dim=-1, keepdim=True)
         return Routing(logits, gates, experts)
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> Dispatched:
-        """Copy each token once per chosen expert and sort the copies by expert (stable: token order kept)."""
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, rows: int = 1) -> Dispatched:
+        """Copy each token once per chosen expert and sort the copies by expert (stable: token order kept). With
+        `rows` > 1 each expert's slice is padded to a multiple of `rows` in the same gather: the padding repeats
+        token 0, whose copies there are computed and never read (a row's result does not depend on its neighbours)."""
         flat = experts.flatten()  # (N·k,)
         source = flat.argsort(stable=True)  # (N·k,) assignment indices grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
-        return Dispatched(x.index_select(0, source // self.top_k), source, counts)
+        token = source // self.top_k  # (N·k,) token of each sorted copy
+        if rows == 1:
+            return Dispatched(x.index_select(0, token), source, counts)
+        sizes = counts.tolist()
+        padded = [-(-c // rows) * rows for c in sizes]
+        at = padded_positions(sizes, padded, x.device)  # (N·k,) row of each sorted copy in the padded layout
+        gather = token.new_zeros(sum(padded))  # (M',) token of each padded row
+        gather[at] = token
+        return Dispatched(x.index_select(0, gather), source, counts, padded, at)
+
+    def packed(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype of oneDNN-packed expert weights this call runs on (`Experts.packed_dtype`: CPU inference), or
+        None: the other paths (int8 weights take their own loop; "naive" and "grouped" asked for are kept)."""
+        if self.dispatch_mode not in ("auto", "loop") or self.experts.can_int8(x):
+            return None
+        return self.experts.packed_dtype(x)
 
     def compute(self, d: Dispatched) -> torch.Tensor:
         """Each expert on its contiguous slice: (M, d) → (M, d). Records the path taken in `last_dispatch`."""
         x, mode = d.tokens, self.dispatch_mode
         if mode != "naive" and self.experts.can_int8(x):
-            return self._ran("int8-loop", "expert loop on int8 weights (cpu inference)", self.experts.int8_loop(x, d.counts))
-        packed = self.experts.packed_dtype(x) if mode in ("auto", "loop") else None
-        if packed == torch.float32:
-            return self._ran("packed-loop", "expert loop on oneDNN-packed weights (cpu float32 inference)",
-                             self.experts.packed_loop(x, d.counts, packed))
-        if packed == torch.bfloat16:
-            return self._ran("packed-bf16-loop", "expert loop on oneDNN-packed bf16 weights (cpu bf16 inference)",
-                             self.experts.packed_loop(x, d.counts, packed))
+            return self._ran("int8-loop", "expert loop on int8 weights (cpu inference)",
+                             self.experts.int8_loop(x, d.counts))
         if mode == "loop":
             return self._ran("loop", "expert loop (asked for)", self.experts.loop(x, d.counts))
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -138,12 +159,10 @@ class MoEBlock(nn.Module):
         return y
 
     def combine(self, y: torch.Tensor, d: Dispatched, gates: torch.Tensor, n: int) -> torch.Tensor:
-        """Gate-weighted sum of each token's expert outputs: y (M, d) → (n, d)."""
+        """Gate-weighted sum of each token's expert outputs: y (M', d) → (n, d)."""
         k = self.top_k
-        if y.shape[0] == n * k:  # dropless: undo the sort with a gather (much faster than a scatter-add on CPU)
-            inverse = torch.empty_like(d.source)
-            inverse[d.source] = torch.arange(n * k, device=y.device)  # (N·k,) sorted row of each assignment
-            y = y.index_select(0, inverse).view(n, k, -1)  # (N, k, d)
+        if d.source.numel() == n * k:  # dropless: undo the sort with a gather (much faster than a scatter-add on CPU)
+            y = y.index_select(0, self._slots(d)).view(n, k, -1)  # (N, k, d)
             g = gates.to(y.dtype).unsqueeze(-1)  # (N, k, 1)
             # a multiply-add per choice: `(y * g).sum(1)`, a reduction over a strided axis, took 5% of a bf16 block
             out = y[:, 0] * g[:, 0]
@@ -152,6 +171,42 @@ class MoEBlock(nn.Module):
             return out  # (N, d)
         w = gates.flatten().index_select(0, d.source).to(y.dtype)  # (M,)
         return y.new_zeros(n, y.shape[-1]).index_add_(0, d.source // k, y * w[:, None])
+
+    @staticmethod
+    def _slots(d: Dispatched) -> torch.Tensor:
+        """(N·k,) the row of `d.tokens` (and of the experts' output) holding each assignment n·k + j."""
+        slots = torch.empty_like(d.source)
+        slots[d.source] = torch.arange(d.source.numel(), device=d.source.device) if d.at is None else d.at
+        return slots
+
+    def _forward_packed(self, x: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
+        """CPU inference on packed expert weights in `dtype`, output bias included: (N, d) → (N, d) float32.
+
+        One gather writes the copies in padded slices, each expert writes its own buffer, and `combine.c` reads each
+        token's k rows from those buffers: without the per-expert padding copies, the concatenation, the second
+        gather and the separate multiply-adds the block takes 0.95x the time, the same bits (BENCHMARKS.md, "One
+        pass to combine the experts' outputs")."""
+        n = x.shape[0]
+        d = self.dispatch(x.to(dtype), r.experts, self.experts.row_multiple)
+        parts = self.experts.packed_parts(d.tokens, d.sizes, dtype)  # one (sizes[e], d) buffer per expert, or None
+        lib = combiner()
+        path, what = ("packed-loop", "float32") if dtype == torch.float32 else ("packed-bf16-loop", "bf16")
+        how = "combine.c" if lib is not None else f"torch ops ({native.why_not.get('combine', 'not built')})"
+        self._ran(path, f"expert loop on oneDNN-packed {what} weights (cpu {what} inference), combined by {how}", x)
+        bias = None if self.output_bias is None else self.output_bias.float()
+        slots = self._slots(d)
+        if lib is None:  # torch ops: the buffers concatenated, then `combine`
+            out = self.combine(torch.cat([p for p in parts if p is not None]), d, r.gates, n).float()
+            return out if bias is None else out + bias
+        flat = r.experts.flatten()  # (N·k,) expert of each assignment
+        starts = torch.tensor([0, *d.sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
+        rows = slots - starts[flat]  # (N·k,) row within its expert's buffer
+        addresses = torch.tensor([0 if p is None else p.data_ptr() for p in parts], dtype=torch.int64)  # (E,)
+        gates, out = r.gates.float().contiguous(), x.new_empty(n, x.shape[1], dtype=torch.float32)
+        lib.combine_rows(addresses.data_ptr(), flat.data_ptr(), rows.data_ptr(), gates.data_ptr(), n, self.top_k,
+                         x.shape[1], int(dtype == torch.bfloat16), None if bias is None else bias.data_ptr(),
+                         out.data_ptr())
+        return out
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
@@ -163,6 +218,8 @@ class MoEBlock(nn.Module):
             out = self._forward_capacity(x, r)
         elif self.dispatch_mode == "naive":
             out = self._forward_naive(x, r)
+        elif (dtype := self.packed(x)) is not None:
+            return self._forward_packed(x, r, dtype).to(x.dtype), r.logits, counts
         else:
             d = self.dispatch(x, r.experts)
             out = self.combine(self.compute(d), d, r.gates, x.shape[0])
@@ -196,7 +253,20 @@ class MoEBlock(nn.Module):
         buf = d.tokens.new_zeros(E * C, dm).index_copy(0, slot, d.tokens[keep])
         y = self.experts.padded(buf.view(E, C, dm)).reshape(E * C, -1).index_select(0, slot)  # (M_kept, d)
         kept = Dispatched(d.tokens[keep], d.source[keep], d.counts.clamp(max=C))
-        return self._ran("capacity", "fixed-capacity batched matmuls (capacity_factor)", self.combine(y, kept, r.gates, x.shape[0]))
+        return self._ran("capacity", "fixed-capacity batched matmuls (capacity_factor)",
+                         self.combine(y, kept, r.gates, x.shape[0]))
+
+
+@functools.cache
+def combiner() -> ctypes.CDLL | None:
+    """`combine.c` compiled (`native.load`), typed; None where it cannot be built (`native.why_not`): then the
+    packed path combines with torch ops."""
+    lib = native.load("combine")
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.combine_rows.argtypes = [p, p, p, p, i, i, i, ctypes.c_int, p, p]
+        lib.combine_rows.restype = None
+    return lib
 
 
 def set_dispatch(module: nn.Module, mode: Dispatch) -> None:

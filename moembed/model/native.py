@@ -3,7 +3,8 @@
     lib = load("rowquant")        # ctypes.CDLL, or None where no C compiler builds it (reason: why_not["rowquant"])
 
 A few inference loops are faster written once in C than as a chain of torch ops (`rowquant`: the int8 path's
-per-row work; `attention`: encoder self-attention on short sequences). Each source is compiled with the system C
+per-row work; `attention`: encoder self-attention on short sequences; `combine`: an MoE block's weighted sum of
+each token's expert outputs). Each source is compiled with the system C
 compiler (`CC`, else `cc`) for this CPU (`-march=native`) and OpenMP, into the user's cache
 (`MOEMBED_KERNEL_CACHE`, else `$XDG_CACHE_HOME/moembed/kernels` or `~/.cache/moembed/kernels`), named by a hash of
 the source, the compiler's version, the flags and the CPU; the build writes a temporary file in that folder and
