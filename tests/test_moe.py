@@ -255,6 +255,12 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     torch.testing.assert_close(plain, got, rtol=tol, atol=tol)
     if bf16:  # combine.c sums the bf16 rows in float32, the torch ops in bf16
         assert (got - ref).abs().max() <= (plain - ref).abs().max()
+    blk.experts.row_multiple = 1  # no padding (as benchmarks/moe.py's unpadded variant)
+    monkeypatch.setattr(moe, "combiner", lambda: Counted(lib))
+    with torch.inference_mode(), amp:
+        unpadded = blk(x)[0]
+    assert blk.last_dispatch == path and len(calls) == 8
+    torch.testing.assert_close(unpadded, got, rtol=tol, atol=tol)
     # padding rows never reach a real row (the matmul kernels round by their row count: 5e-7 apart, as before)
     torch.testing.assert_close(alone, got[:6], rtol=0, atol=1e-6)
 

@@ -188,7 +188,8 @@ class MoEBlock(nn.Module):
         pass to combine the experts' outputs")."""
         n = x.shape[0]
         d = self.dispatch(x.to(dtype), r.experts, self.experts.row_multiple)
-        parts = self.experts.packed_parts(d.tokens, d.sizes, dtype)  # one (sizes[e], d) buffer per expert, or None
+        sizes = d.counts.tolist() if d.sizes is None else d.sizes  # row_multiple 1: nothing padded
+        parts = self.experts.packed_parts(d.tokens, sizes, dtype)  # one (sizes[e], d) buffer per expert, or None
         lib = combiner()
         path, what = ("packed-loop", "float32") if dtype == torch.float32 else ("packed-bf16-loop", "bf16")
         how = "combine.c" if lib is not None else f"torch ops ({native.why_not.get('combine', 'not built')})"
@@ -199,7 +200,7 @@ class MoEBlock(nn.Module):
             out = self.combine(torch.cat([p for p in parts if p is not None]), d, r.gates, n).float()
             return out if bias is None else out + bias
         flat = r.experts.flatten()  # (N·k,) expert of each assignment
-        starts = torch.tensor([0, *d.sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
+        starts = torch.tensor([0, *sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
         rows = slots - starts[flat]  # (N·k,) row within its expert's buffer
         addresses = torch.tensor([0 if p is None else p.data_ptr() for p in parts], dtype=torch.int64)  # (E,)
         gates, out = r.gates.float().contiguous(), x.new_empty(n, x.shape[1], dtype=torch.float32)
