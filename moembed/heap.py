@@ -16,9 +16,13 @@ first large free.
 oneDNN (the packed float32 linear layers and experts of CPU inference, where packing is on) keeps one primitive
 per matmul shape it has seen, up to 1,024 by default, each with its own buffers. An MoE layer's experts see a new
 token count almost every batch, so a process encoding with an MoE model grew from 1.1 to 2.0 GiB over 12 passes of
-the same texts; with the cache capped at 64 it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP
-floor"). Training commands keep 512 instead: in bf16 on a CPU a step runs every expert's matmuls in six shapes
-(fc1 and fc2; forward, input and weight gradients) per row count, its rows padded so that the counts recur
+the same texts; with the cache capped it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP floor").
+Inference keeps 256: at 64, the dense layers' one-off shapes (a new token count each batch) pushed out the
+experts' recurring ones, and `moembed encode` of the upcycled MiniLM made 1,240 kernels in 0.71 s where 256 makes
+450 in 0.25 s (1,024: 414) — 0.965x the command's wall time, 26 MiB more peak; over five passes of varied batches
+in one process, 1,223 MiB against 1,180 at 64 and 1,392 at 1,024 (BENCHMARKS.md, "A primitive cache that holds
+the experts' shapes"). Training commands keep 512 instead: in bf16 on a CPU a step runs every expert's matmuls in
+six shapes (fc1 and fc2; forward, input and weight gradients) per row count, its rows padded so that the counts recur
 (`moembed.model.experts.ROW_MULTIPLE`), some hundreds of shapes in all; at 64 each was made again every step, about
 0.4 ms apiece. The quickstart's MoE finetuning took 0.89x the CPU time for 5% more peak memory at 512 (0.95x, +9% at
 1,024; 0.98x at 256). oneDNN reads the cap once, when it makes its first primitive, so the `moembed` command sets it
@@ -82,7 +86,7 @@ from contextlib import contextmanager
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 THRESHOLD = 1 << 20  # bytes: tensors of a few thousand floats and more are mmapped and returned on free
 CEILING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own rule stops raising the threshold
-PRIMITIVE_CACHE = 64  # oneDNN primitives kept: a batch's worth of expert and dense matmul shapes
+PRIMITIVE_CACHE = 256  # oneDNN primitives kept at inference: the experts' recurring shapes, and one-off dense ones
 TRAINING_PRIMITIVE_CACHE = 512  # training: the padded expert shapes of bf16 steps (above)
 ALLOCATOR = "MOEMBED_ALLOCATOR"  # "system": training commands keep the C library's malloc
 PURGE_DELAY = "MIMALLOC_PURGE_DELAY"  # mimalloc's option, read when the library loads

@@ -50,7 +50,7 @@ from moembed.model.recompute import then_recomputed
 # kernels). That pays only with oneDNN's cache large enough for a step's shapes, training processes'
 # (moembed.heap.TRAINING_PRIMITIVE_CACHE): with both the experts' bf16 matmuls took 1.09x instead of 1.31x the
 # FLOP-matched wide MLP's time and the quickstart's MoE finetuning 0.89-0.95x its CPU time (BENCHMARKS.md, "A oneDNN
-# kernel per matmul shape in bf16 training"); at the cap of 64 that inference keeps, padding gained nothing (0.99x).
+# kernel per matmul shape in bf16 training"); at the cap of 64 that inference then kept, padding gained nothing (0.99x).
 ROW_MULTIPLE = 32
 
 
