@@ -324,6 +324,11 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, ke
     assert all(m.last_path == ("int8-fused" if rows[0] == "compiled" else "int8") for m in linears)
     assert all(b.last_dispatch == "int8-loop" for b in blocks)
     _ran(rows, kernel)
+    import moembed.model.moe as moe  # the experts' int8 outputs combined by combine.c, as torch ops would
+    assert moe.combiner() is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "combiner", lambda: None)
+        np.testing.assert_allclose(q.encode(sentences[:16]), got, atol=1e-6)
     assert all(m.__dict__.get("int8_amax") is not None for m in linears)  # outlier channels were measured
     packed = [m.__dict__["_weight_cache"]["int8"][1] for m in linears + [b.experts for b in blocks]]
     assert {w.kernel for ws in packed for w in ws} == {kernel}  # every layer and expert ran the kernel asked for

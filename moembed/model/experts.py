@@ -9,7 +9,8 @@ expert, it runs them:
                   and dtype by `grouped_support`); under autocast the weights are cast once per weight version
     packed_parts  CPU inference: the loop on oneDNN-packed float32 or bf16 weights, GELU fused into fc1, on
                   slices the dispatch padded to `ROW_MULTIPLE` rows, each expert's output left in its own buffer
-    int8_loop     CPU inference after `linear.quantize_int8`: int8 weights, per-row quantised activations
+    int8_parts    CPU inference after `linear.quantize_int8`: int8 weights, per-row quantised activations,
+                  each expert's output in its own buffer
     padded        fixed-capacity (E, C, d) batched matmuls (`MoEConfig.capacity_factor`)
 
 `packed_parts` (through the dispatch), and `grouped` in bf16 on a CPU, pad each expert's rows to a multiple of
@@ -227,12 +228,14 @@ class Experts(nn.Module):
         return out
 
     def can_int8(self, x: torch.Tensor) -> bool:
-        """Whether `int8_loop` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU
+        """Whether `int8_parts` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU
         float32 inference pass."""
         return self.int8 and inference_pass(self, x) and self.fc1_weight.dtype == torch.float32
 
-    def int8_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`loop` on int8 weights with per-row quantised activations (`moembed.model.linear.int8_linear`)."""
+    def int8_parts(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
+        """Each expert on its slice of x (M, d), slices of `sizes` rows, on int8 weights with per-row quantised
+        activations (`moembed.model.linear.int8_linear`): one (sizes[e], d) float32 output per expert, in a buffer of
+        its own (None for an expert without rows), as `packed_parts`."""
         b1 = self.fc1_bias if self.fc1_bias is not None else [None] * self.num_experts
         b2 = self.fc2_bias if self.fc2_bias is not None else [None] * self.num_experts
         pairs, amax = [], []
@@ -243,9 +246,8 @@ class Experts(nn.Module):
         w = int8_weights(self, pairs, amax)
         gelu = self.kind == "gelu"  # GELU inside fc1's rescale (`linear.int8_linear`)
         act = (lambda h: h) if gelu else INPLACE_ACTIVATIONS.get(self.kind, self.act)  # on int8_linear's own buffer
-        out = [int8_linear(act(int8_linear(p, w[2 * e], gelu)), w[2 * e + 1])
-               for e, p in enumerate(torch.split(x, counts.tolist())) if p.shape[0]]
-        return torch.cat(out or [x[:0]])
+        return [int8_linear(act(int8_linear(p, w[2 * e], gelu)), w[2 * e + 1]).contiguous() if p.shape[0] else None
+                for e, p in enumerate(torch.split(x, sizes))]
 
     @torch.no_grad()
     def record_amax(self, x: torch.Tensor) -> None:

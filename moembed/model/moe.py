@@ -14,10 +14,10 @@ Computation is split in four steps so that expert parallelism can later wrap `di
 all-to-all: `route` (router logits, gates, chosen experts) → `dispatch` (token copies sorted by expert, one
 contiguous slice per expert) → `Experts.grouped` (every expert on its slice) → `combine` (gate-weighted sum).
 
-CPU inference on oneDNN-packed expert weights takes the same steps in fewer passes over the (N·k, d) copies: the
-dispatch gathers them straight into slices padded for the kernels (`Experts.row_multiple`), each expert keeps its
-own output buffer, and `combine.c` sums every token's k rows from where they are (no concatenation, no second
-gather); where no C compiler builds it, the same sums in torch ops.
+CPU inference on oneDNN-packed or int8 expert weights takes the same steps in fewer passes over the (N·k, d)
+copies: the dispatch gathers them straight into slices (padded for the packed kernels, `Experts.row_multiple`),
+each expert keeps its own output buffer, and `combine.c` sums every token's k rows from where they are (no
+concatenation, no second gather); where no C compiler builds it, the same sums in torch ops.
 
 Dropless by default: every assignment is computed, however unbalanced. With `capacity_factor` each expert
 takes at most C = ceil(capacity_factor · N · k / E) assignments in a fixed-shape (E, C, d) buffer, as on
@@ -127,19 +127,18 @@ class MoEBlock(nn.Module):
         gather[at] = token
         return Dispatched(x.index_select(0, gather), source, counts, padded, at)
 
-    def packed(self, x: torch.Tensor) -> torch.dtype | None:
-        """The dtype of oneDNN-packed expert weights this call runs on (`Experts.packed_dtype`: CPU inference), or
-        None: the other paths (int8 weights take their own loop; "naive" and "grouped" asked for are kept)."""
-        if self.dispatch_mode not in ("auto", "loop") or self.experts.can_int8(x):
-            return None
-        return self.experts.packed_dtype(x)
+    def in_place(self, x: torch.Tensor) -> str | None:
+        """The CPU inference path whose experts' outputs are combined where they are written (`_forward_in_place`):
+        "int8-loop" (after `linear.quantize_int8`, any mode but "naive"), "packed-loop" / "packed-bf16-loop"
+        (oneDNN-packed float32 / bf16 weights, `Experts.packed_dtype`, modes "auto" and "loop"); None otherwise."""
+        if self.dispatch_mode != "naive" and self.experts.can_int8(x):
+            return "int8-loop"
+        packed = self.experts.packed_dtype(x) if self.dispatch_mode in ("auto", "loop") else None
+        return None if packed is None else "packed-loop" if packed == torch.float32 else "packed-bf16-loop"
 
     def compute(self, d: Dispatched) -> torch.Tensor:
         """Each expert on its contiguous slice: (M, d) → (M, d). Records the path taken in `last_dispatch`."""
         x, mode = d.tokens, self.dispatch_mode
-        if mode != "naive" and self.experts.can_int8(x):
-            return self._ran("int8-loop", "expert loop on int8 weights (cpu inference)",
-                             self.experts.int8_loop(x, d.counts))
         if mode == "loop":
             return self._ran("loop", "expert loop (asked for)", self.experts.loop(x, d.counts))
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -179,25 +178,29 @@ class MoEBlock(nn.Module):
         slots[d.source] = torch.arange(d.source.numel(), device=d.source.device) if d.at is None else d.at
         return slots
 
-    def _forward_packed(self, x: torch.Tensor, r: Routing, dtype: torch.dtype) -> torch.Tensor:
-        """CPU inference on packed expert weights in `dtype`, output bias included: (N, d) → (N, d) float32.
+    def _forward_in_place(self, x: torch.Tensor, r: Routing, path: str) -> torch.Tensor:
+        """CPU inference on int8 or packed expert weights (`in_place`), output bias included: (N, d) → (N, d) float32.
 
-        One gather writes the copies in padded slices, each expert writes its own buffer, and `combine.c` reads each
-        token's k rows from those buffers: without the per-expert padding copies, the concatenation, the second
-        gather and the separate multiply-adds the block takes 0.95x the time, the same bits (BENCHMARKS.md, "One
-        pass to combine the experts' outputs")."""
+        One gather writes the copies in slices (padded for the packed kernels), each expert writes its own buffer, and
+        `combine.c` reads each token's k rows from those buffers: without the per-expert padding copies, the
+        concatenation, the second gather and the separate multiply-adds the packed float32 block takes 0.95x the
+        time, the same bits (BENCHMARKS.md, "One pass to combine the experts' outputs")."""
         n = x.shape[0]
-        d = self.dispatch(x.to(dtype), r.experts, self.experts.row_multiple)
-        sizes = d.counts.tolist() if d.sizes is None else d.sizes  # row_multiple 1: nothing padded
-        parts = self.experts.packed_parts(d.tokens, sizes, dtype)  # one (sizes[e], d) buffer per expert, or None
+        dtype = torch.bfloat16 if path == "packed-bf16-loop" else torch.float32
+        d = self.dispatch(x.to(dtype), r.experts, 1 if path == "int8-loop" else self.experts.row_multiple)
+        sizes = d.counts.tolist() if d.sizes is None else d.sizes  # unpadded (int8, or row_multiple 1)
+        if path == "int8-loop":
+            parts, what = self.experts.int8_parts(d.tokens, sizes), "expert loop on int8 weights (cpu inference)"
+        else:  # one (sizes[e], d) buffer per expert, or None
+            parts, kind = self.experts.packed_parts(d.tokens, sizes, dtype), str(dtype).removeprefix("torch.")
+            what = f"expert loop on oneDNN-packed {kind} weights (cpu {kind} inference)"
         lib = combiner()
-        path, what = ("packed-loop", "float32") if dtype == torch.float32 else ("packed-bf16-loop", "bf16")
         how = "combine.c" if lib is not None else f"torch ops ({native.why_not.get('combine', 'not built')})"
-        self._ran(path, f"expert loop on oneDNN-packed {what} weights (cpu {what} inference), combined by {how}", x)
+        self._ran(path, f"{what}, combined by {how}", x)
         bias = None if self.output_bias is None else self.output_bias.float()
         slots = self._slots(d)
         if lib is None:  # torch ops: the buffers concatenated, then `combine`
-            out = self.combine(torch.cat([p for p in parts if p is not None]), d, r.gates, n).float()
+            out = self.combine(torch.cat([p for p in parts if p is not None] or [d.tokens[:0]]), d, r.gates, n).float()
             return out if bias is None else out + bias
         flat = r.experts.flatten()  # (N·k,) expert of each assignment
         starts = torch.tensor([0, *sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
@@ -219,8 +222,8 @@ class MoEBlock(nn.Module):
             out = self._forward_capacity(x, r)
         elif self.dispatch_mode == "naive":
             out = self._forward_naive(x, r)
-        elif (dtype := self.packed(x)) is not None:
-            return self._forward_packed(x, r, dtype).to(x.dtype), r.logits, counts
+        elif (path := self.in_place(x)) is not None:
+            return self._forward_in_place(x, r, path).to(x.dtype), r.logits, counts
         else:
             d = self.dispatch(x, r.experts)
             out = self.combine(self.compute(d), d, r.gates, x.shape[0])
