@@ -65,8 +65,8 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
 
     dense, moe = Embedder.load(dense_dir), Embedder.load(moe_dir)
     layers = [i for i, layer in enumerate(moe.encoder.layers) if isinstance(layer.mlp, MoEBlock)]
-    calls: dict[str, list] = {"dense": [], "moe": []}  # (N, seconds) per call; MoE: the loads too
-    loads: list[list[int]] = []
+    calls: dict[str, list] = {"dense": [], "moe": []}  # (N, seconds) per call
+    loads: list[list[int]] = []  # the MoE calls' expert loads (E,), in the same order
 
     def timed(which: str, module: torch.nn.Module) -> None:
         forward = module.forward

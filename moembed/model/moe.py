@@ -110,13 +110,16 @@ class MoEBlock(nn.Module):
             gates = gates / gates.sum(dim=-1, keepdim=True)
         return Routing(logits, gates, experts)
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, rows: int = 1) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, rows: int = 1,
+                 counts: torch.Tensor | None = None) -> Dispatched:
         """Copy each token once per chosen expert and sort the copies by expert (stable: token order kept). With
         `rows` > 1 each expert's slice is padded to a multiple of `rows` in the same gather: the padding repeats
-        token 0, whose copies there are computed and never read (a row's result does not depend on its neighbours)."""
+        token 0, whose copies there are computed and never read (a row's result does not depend on its neighbours).
+        `counts`: the copies per expert, when the caller has them already."""
         flat = experts.flatten()  # (N·k,)
         source = flat.argsort(stable=True)  # (N·k,) assignment indices grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        if counts is None:
+            counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
         token = source // self.top_k  # (N·k,) token of each sorted copy
         if rows == 1:
             return Dispatched(x.index_select(0, token), source, counts)
@@ -178,7 +181,7 @@ class MoEBlock(nn.Module):
         slots[d.source] = torch.arange(d.source.numel(), device=d.source.device) if d.at is None else d.at
         return slots
 
-    def _forward_in_place(self, x: torch.Tensor, r: Routing, path: str) -> torch.Tensor:
+    def _forward_in_place(self, x: torch.Tensor, r: Routing, path: str, counts: torch.Tensor) -> torch.Tensor:
         """CPU inference on int8 or packed expert weights (`in_place`), output bias included: (N, d) → (N, d) float32.
 
         One gather writes the copies in slices (padded for the packed kernels), each expert writes its own buffer, and
@@ -187,7 +190,7 @@ class MoEBlock(nn.Module):
         time, the same bits (BENCHMARKS.md, "One pass to combine the experts' outputs")."""
         n = x.shape[0]
         dtype = torch.bfloat16 if path == "packed-bf16-loop" else torch.float32
-        d = self.dispatch(x.to(dtype), r.experts, 1 if path == "int8-loop" else self.experts.row_multiple)
+        d = self.dispatch(x.to(dtype), r.experts, 1 if path == "int8-loop" else self.experts.row_multiple, counts)
         sizes = d.counts.tolist() if d.sizes is None else d.sizes  # unpadded (int8, or row_multiple 1)
         if path == "int8-loop":
             parts, what = self.experts.int8_parts(d.tokens, sizes), "expert loop on int8 weights (cpu inference)"
@@ -198,13 +201,12 @@ class MoEBlock(nn.Module):
         how = "combine.c" if lib is not None else f"torch ops ({native.why_not.get('combine', 'not built')})"
         self._ran(path, f"{what}, combined by {how}", x)
         bias = None if self.output_bias is None else self.output_bias.float()
-        slots = self._slots(d)
         if lib is None:  # torch ops: the buffers concatenated, then `combine`
             out = self.combine(torch.cat([p for p in parts if p is not None] or [d.tokens[:0]]), d, r.gates, n).float()
             return out if bias is None else out + bias
         flat = r.experts.flatten()  # (N·k,) expert of each assignment
         starts = torch.tensor([0, *sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
-        rows = slots - starts[flat]  # (N·k,) row within its expert's buffer
+        rows = self._slots(d) - starts[flat]  # (N·k,) row within its expert's buffer
         addresses = torch.tensor([0 if p is None else p.data_ptr() for p in parts], dtype=torch.int64)  # (E,)
         gates, out = r.gates.float().contiguous(), x.new_empty(n, x.shape[1], dtype=torch.float32)
         lib.combine_rows(addresses.data_ptr(), flat.data_ptr(), rows.data_ptr(), gates.data_ptr(), n, self.top_k,
@@ -219,13 +221,13 @@ class MoEBlock(nn.Module):
         counts = torch.bincount(r.experts.flatten(), minlength=self.num_experts)  # (E,)
         # Capacity in training only: at inference no batch-mate may take a token's expert slot (always dropless).
         if self.capacity_factor is not None and self.training:
-            out = self._forward_capacity(x, r)
+            out = self._forward_capacity(x, r, counts)
         elif self.dispatch_mode == "naive":
             out = self._forward_naive(x, r)
         elif (path := self.in_place(x)) is not None:
-            return self._forward_in_place(x, r, path).to(x.dtype), r.logits, counts
+            return self._forward_in_place(x, r, path, counts).to(x.dtype), r.logits, counts
         else:
-            d = self.dispatch(x, r.experts)
+            d = self.dispatch(x, r.experts, counts=counts)
             out = self.combine(self.compute(d), d, r.gates, x.shape[0])
         if self.output_bias is not None:  # once per token, not weighted by the gates
             out = out + self.output_bias.to(out.dtype)
@@ -245,10 +247,10 @@ class MoEBlock(nn.Module):
         """Assignments each expert takes with a capacity factor: ceil(cf · N · k / E)."""
         return max(1, math.ceil(self.capacity_factor * n * self.top_k / self.num_experts))
 
-    def _forward_capacity(self, x: torch.Tensor, r: Routing) -> torch.Tensor:
+    def _forward_capacity(self, x: torch.Tensor, r: Routing, counts: torch.Tensor) -> torch.Tensor:
         """Fixed-capacity padded dispatch: an (E, C, d) buffer, assignments past capacity dropped."""
         E, C, dm = self.num_experts, self.capacity(x.shape[0]), x.shape[-1]
-        d = self.dispatch(x, r.experts)
+        d = self.dispatch(x, r.experts, counts=counts)
         starts = torch.cumsum(d.counts, 0) - d.counts  # (E,) first sorted row of each expert
         expert_of_row = torch.repeat_interleave(torch.arange(E, device=x.device), d.counts)  # (M,)
         pos = torch.arange(d.tokens.shape[0], device=x.device) - starts[expert_of_row]  # (M,) rank within expert
