@@ -19,8 +19,9 @@ block in its place, by the call's token count N: the block's FLOP floor is twice
 replays the experts' matmuls alone on the loads the routers gave (each expert's rows padded as the dispatch pads
 them, on random values), beside the dense MLP run twice on N rows and the same expert slices all on one expert's
 weights: matmuls / (2 x dense) is what the kernels cost at the experts' shapes, one-weight / (2 x dense) what is
-left when the eight experts' weights (8x the dense MLP's bytes) need not be read, and block - matmuls is routing,
-dispatch and combine.
+left when the eight experts' weights (8x the dense MLP's bytes) need not be read, unpadded / (2 x dense) the same
+slices at their exact row counts (each count's kernel made in the warm-up, as a process that had seen every count
+would have it: what the padding costs in arithmetic alone), and block - matmuls is routing, dispatch and combine.
 """
 
 from __future__ import annotations
@@ -126,16 +127,18 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
             for _ in range(2):
                 packed_linear(packed_linear(x[n], *w[0], True), *w[1])
 
-    def experts(one_weight: bool):
+    def experts(one_weight: bool, pad: bool = True):
         for _, c in first:
             for e, k in enumerate(c):
                 if k:
                     f = 0 if one_weight else e
-                    h = packed_linear(padded[-(-k // rows) * rows], packed[f][0], b1[f], True)
+                    rows_in = padded[-(-k // rows) * rows] if pad else exact[k]
+                    h = packed_linear(rows_in, packed[f][0], b1[f], True)
                     packed_linear(h, packed[f][1], b2[f])
 
+    exact = {k: torch.randn(k, dense_mlp.fc1.in_features) for _, c in first for k in c if k}
     variants = {"2x dense MLP": twice_dense, "experts' matmuls": lambda: experts(False),
-                "one expert's weights": lambda: experts(True)}
+                "one expert's weights": lambda: experts(True), "unpadded rows": lambda: experts(False, False)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     with torch.inference_mode():
         for f in variants.values():
@@ -149,10 +152,76 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
     block_s = sum(t for _, t in calls["moe"][: len(calls["moe"]) // runs][:: len(layers)])
     print(f"  replay of layer {layers[0] + 1}'s {len(first)} calls (rows padded to {rows}), medians of "
           f"{max(3, runs)}: 2x dense MLP {base:.3f} s")
-    for k in ("experts' matmuls", "one expert's weights"):
+    for k in ("experts' matmuls", "one expert's weights", "unpadded rows"):
         print(f"    {k:22s} {statistics.median(times[k]):.3f} s = {statistics.median(times[k]) / base:.3f}x")
     print(f"    the block (first pass) {block_s:.3f} s = {block_s / base:.3f}x; routing, dispatch and combine "
           f"{block_s - matmuls:+.3f} s")
+
+    inputs: list[torch.Tensor] = []  # the first MoE layer's inputs, one pass
+    hook = block.register_forward_pre_hook(lambda m, a: inputs.append(a[0].clone()))
+    with torch.inference_mode():
+        moe.embed_batches(ids, batch_size=32)
+    hook.remove()
+    steps(block, inputs, max(3, runs))
+    per_row(packed[0], b1[0], b2[0], dense_mlp.fc1.in_features, max(3, runs))
+
+
+def steps(block, inputs: list, repeats: int) -> None:
+    """The block's steps timed apart on its recorded inputs (ms per pass, medians): the router, the padded gather,
+    the experts' matmuls on the gathered slices, the whole block; what is left is combine.c and the Python around."""
+    import time
+
+    import torch
+
+    rows = block.experts.row_multiple
+    t = {k: [] for k in ("route", "dispatch", "experts", "block")}
+    with torch.inference_mode():
+        for rep in range(repeats + 1):  # the first one warms up
+            s = dict.fromkeys(t, 0.0)
+            for x in inputs:
+                t0 = time.perf_counter()
+                r = block.route(x)
+                counts = torch.bincount(r.experts.flatten(), minlength=block.num_experts)
+                t1 = time.perf_counter()
+                d = block.dispatch(x, r.experts, rows, counts)
+                t2 = time.perf_counter()
+                block.experts.packed_parts(d.tokens, d.sizes, torch.float32)
+                t3 = time.perf_counter()
+                block(x)
+                t4 = time.perf_counter()
+                for k, dt in zip(s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    s[k] += dt
+            if rep:
+                for k in t:
+                    t[k].append(s[k])
+    m = {k: 1e3 * statistics.median(v) for k, v in t.items()}
+    rest = m["block"] - m["route"] - m["dispatch"] - m["experts"]
+    print(f"  the block's steps on the same {len(inputs)} calls, ms per pass: router {m['route']:.1f}, "
+          f"gather {m['dispatch']:.1f}, experts {m['experts']:.1f}, combine and the rest {rest:.1f}; "
+          f"block {m['block']:.1f} ({(m['block'] - m['experts']) / m['block']:.1%} outside the matmuls)")
+
+
+def per_row(weights: tuple, b1, b2, d: int, repeats: int) -> None:
+    """fc1 + GELU + fc2 on one expert's packed weights: microseconds per row by row count (medians)."""
+    import time
+
+    import torch
+
+    from moembed.model.linear import packed_linear
+
+    cells = []
+    with torch.inference_mode():
+        for m in (32, 128, 512, 1792):
+            x, n = torch.randn(m, d), max(1, 8192 // m)
+            packed_linear(packed_linear(x, weights[0], b1, True), weights[1], b2)  # its kernels, made once
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    packed_linear(packed_linear(x, weights[0], b1, True), weights[1], b2)
+                ts.append((time.perf_counter() - t0) / (n * m))
+            cells.append(f"{m} rows {1e6 * statistics.median(ts):.2f}")
+    print(f"  one expert, microseconds per row: {', '.join(cells)}")
 
 
 def main() -> None:
