@@ -22,6 +22,9 @@ weights: matmuls / (2 x dense) is what the kernels cost at the experts' shapes, 
 left when the eight experts' weights (8x the dense MLP's bytes) need not be read, unpadded / (2 x dense) the same
 slices at their exact row counts (each count's kernel made in the warm-up, as a process that had seen every count
 would have it: what the padding costs in arithmetic alone), and block - matmuls is routing, dispatch and combine.
+Last, the block's steps timed apart on its recorded inputs (router, gather, experts, the rest), and one expert call
+by row count on one expert's weights and on the eight in turn (a call's fixed cost, and what fetching the weights
+adds to it).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
         moe.embed_batches(ids, batch_size=32)
     hook.remove()
     steps(block, inputs, max(3, runs))
-    per_row(packed[0], b1[0], b2[0], dense_mlp.fc1.in_features, max(3, runs))
+    per_call(packed, b1, b2, dense_mlp.fc1.in_features, max(3, runs))
 
 
 def steps(block, inputs: list, repeats: int) -> None:
@@ -201,27 +204,35 @@ def steps(block, inputs: list, repeats: int) -> None:
           f"block {m['block']:.1f} ({(m['block'] - m['experts']) / m['block']:.1%} outside the matmuls)")
 
 
-def per_row(weights: tuple, b1, b2, d: int, repeats: int) -> None:
-    """fc1 + GELU + fc2 on one expert's packed weights: microseconds per row by row count (medians)."""
+def per_call(packed: list, b1, b2, d: int, repeats: int) -> None:
+    """fc1 + GELU + fc2 of one expert call by row count, microseconds per call (medians): always on the first
+    expert's packed weights (which then stay in the last-level cache), and on the eight experts' in turn (each
+    call's weights fetched from memory, as in the block). The slope is the rows' arithmetic; what is left at few
+    rows is the call's own cost, the eight experts' difference what fetching their weights adds."""
     import time
 
     import torch
 
     from moembed.model.linear import packed_linear
 
+    def call(x: torch.Tensor, e: int) -> None:
+        packed_linear(packed_linear(x, packed[e][0], b1[e], True), packed[e][1], b2[e])
+
     cells = []
     with torch.inference_mode():
-        for m in (32, 128, 512, 1792):
-            x, n = torch.randn(m, d), max(1, 8192 // m)
-            packed_linear(packed_linear(x, weights[0], b1, True), weights[1], b2)  # its kernels, made once
-            ts = []
+        for m in (8, 32, 128, 512):
+            x, n = torch.randn(m, d), 64
+            for e in range(len(packed)):
+                call(x, e)  # the shape's kernels, made once
+            one, eight = [], []
             for _ in range(repeats):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    packed_linear(packed_linear(x, weights[0], b1, True), weights[1], b2)
-                ts.append((time.perf_counter() - t0) / (n * m))
-            cells.append(f"{m} rows {1e6 * statistics.median(ts):.2f}")
-    print(f"  one expert, microseconds per row: {', '.join(cells)}")
+                for ts, pick in ((one, lambda i: 0), (eight, lambda i: i % len(packed))):
+                    t0 = time.perf_counter()
+                    for i in range(n):
+                        call(x, pick(i))
+                    ts.append((time.perf_counter() - t0) / n)
+            cells.append(f"{m} rows {1e6 * statistics.median(one):.0f} / {1e6 * statistics.median(eight):.0f}")
+    print(f"  an expert call, microseconds, one expert's weights / the eight in turn: {', '.join(cells)}")
 
 
 def main() -> None:
