@@ -314,7 +314,11 @@ def read_texts(path: str | os.PathLike, plain: bool = False) -> list[str]:
     texts = []
     for i, value in iter_jsonl(path):
         if not isinstance(value, str):
-            raise MoembedError(f"{path}:{i}: expected a JSON string, got {type(value).__name__}")
+            got = type(value).__name__
+            if isinstance(value, dict):
+                got = f"an object (keys: {', '.join(sorted(value)) or 'none'})"
+            raise MoembedError(f"{path}:{i}: expected a JSON string, got {got}; this command reads one JSON string "
+                               "per line, or plain text lines with --plain")
         texts.append(value)
     return texts
 

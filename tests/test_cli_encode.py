@@ -62,6 +62,8 @@ def test_encode_dtype_int8_is_close_to_float32_and_names_its_kernel(tiny_dir, tm
     "content, args, message",
     [
         (b'"a"\n42\n', [], "in.jsonl:2: expected a JSON string, got int"),
+        (b'{"id": 1, "text": "a"}\n', [], "in.jsonl:1: expected a JSON string, got an object (keys: id, text); "
+                                          "name the key of the text with --field KEY"),
         (b'"a"\n{oops\n', [], "in.jsonl:2: invalid JSON"),
         (b'"a"\n"\xff\xfe"\n', [], "in.jsonl:2: not valid UTF-8"),
         (b'"a"\n', ["--precision", "fp4"], "--precision: unknown 'fp4'"),

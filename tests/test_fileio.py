@@ -1,5 +1,6 @@
 """Durable outputs: fsync before every rename, old-or-new at every step of a directory replacement, SIGKILL at
-seeded instants during checkpoint and model saves (resume stays bit-identical), full disk during saves."""
+seeded instants during checkpoint and model saves (resume stays bit-identical), full disk during saves; and what
+the texts reader (`read_texts`) says of a line it cannot read."""
 
 from __future__ import annotations
 
@@ -359,3 +360,17 @@ def test_real_writer_failures_become_clear_errors(tmp_path, make_tiny):
     assert _tree(tmp_path / "model") == {"keep.txt": "an earlier model"}
     model, opt, sched = _tiny()
     assert CheckpointManager(tmp_path / "ck").load(tmp_path / "ck" / "step-00000002", model, opt, sched).step == 2
+
+
+@pytest.mark.parametrize(
+    "line, got",
+    [('{"id": 1, "text": "a"}', "an object (keys: id, text)"), ("42", "int"), ('["a"]', "list")],
+)
+def test_read_texts_names_the_line_what_it_found_and_the_two_formats_it_reads(tmp_path, line, got):
+    path = tmp_path / "texts.jsonl"
+    path.write_text(f'"fine"\n{line}\n', encoding="utf-8")
+    with pytest.raises(MoembedError) as e:
+        fileio.read_texts(path)
+    assert str(e.value) == (f"{path}:2: expected a JSON string, got {got}; this command reads one JSON string per "
+                            "line, or plain text lines with --plain")
+    assert fileio.read_texts(path, plain=True) == ['"fine"', line]  # the same file as plain lines

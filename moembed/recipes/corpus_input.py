@@ -131,6 +131,10 @@ class CorpusInput:
         except json.JSONDecodeError as e:
             raise MoembedError(f"{where}: invalid JSON ({e.msg})") from None
         if self.field is None:
+            if isinstance(value, dict):  # the usual JSONL of records: say how to read it
+                keys = ", ".join(sorted(value)) or "none"
+                raise MoembedError(f"{where}: expected a JSON string, got an object (keys: {keys}); "
+                                   "name the key of the text with --field KEY")
             if not isinstance(value, str):
                 raise MoembedError(f"{where}: expected a JSON string, got {type(value).__name__}")
             return value
