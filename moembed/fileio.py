@@ -307,6 +307,13 @@ def iter_jsonl(path: str | os.PathLike, skip_bad: bool = False, bad: list | None
                     bad.append(i)
 
 
+def json_kind(value) -> str:
+    """How an error names a JSON value that is not what it wanted: an object by its keys, else by its type."""
+    if isinstance(value, dict):
+        return f"an object (keys: {', '.join(sorted(value)) or 'none'})"
+    return type(value).__name__
+
+
 def read_texts(path: str | os.PathLike, plain: bool = False) -> list[str]:
     """Texts to embed: one JSON string per line, or with `plain` one raw text per line."""
     if plain:
@@ -314,11 +321,8 @@ def read_texts(path: str | os.PathLike, plain: bool = False) -> list[str]:
     texts = []
     for i, value in iter_jsonl(path):
         if not isinstance(value, str):
-            got = type(value).__name__
-            if isinstance(value, dict):
-                got = f"an object (keys: {', '.join(sorted(value)) or 'none'})"
-            raise MoembedError(f"{path}:{i}: expected a JSON string, got {got}; this command reads one JSON string "
-                               "per line, or plain text lines with --plain")
+            raise MoembedError(f"{path}:{i}: expected a JSON string, got {json_kind(value)}; this command reads one "
+                               "JSON string per line, or plain text lines with --plain")
         texts.append(value)
     return texts
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moembed.errors import MoembedError
+from moembed.fileio import json_kind
 
 FORMATS = ("auto", "jsonl", "text", "parquet")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -131,12 +132,9 @@ class CorpusInput:
         except json.JSONDecodeError as e:
             raise MoembedError(f"{where}: invalid JSON ({e.msg})") from None
         if self.field is None:
-            if isinstance(value, dict):  # the usual JSONL of records: say how to read it
-                keys = ", ".join(sorted(value)) or "none"
-                raise MoembedError(f"{where}: expected a JSON string, got an object (keys: {keys}); "
-                                   "name the key of the text with --field KEY")
-            if not isinstance(value, str):
-                raise MoembedError(f"{where}: expected a JSON string, got {type(value).__name__}")
+            if not isinstance(value, str):  # records (the usual JSONL) are read with a field: say so
+                hint = "; name the key of the text with --field KEY" if isinstance(value, dict) else ""
+                raise MoembedError(f"{where}: expected a JSON string, got {json_kind(value)}{hint}")
             return value
         if not isinstance(value, dict):
             raise MoembedError(f"{where}: expected a JSON object with field {self.field!r}, got {type(value).__name__}")
