@@ -6,12 +6,17 @@ process group; the one branch is `if world_size() > 1`. No state is kept here be
 Launch (2 processes on one machine; CPU uses gloo, CUDA uses nccl):
 
     torchrun --standalone --nproc-per-node 2 -m moembed.cli.main train CONFIG.yaml
+
+which is what `launch(["train", "CONFIG.yaml"], 2)` runs for the commands' `--nproc N`.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -315,3 +320,18 @@ def all_gather_with_grad(t: torch.Tensor) -> torch.Tensor:
 def gather_sizes(n: int) -> list[int]:
     """Every rank's value of `n` (e.g. its local batch size), in rank order."""
     return [int(x) for x in all_gather_object(int(n))]
+
+
+def torchrun_command(args: Sequence[str], nproc: int) -> list[str]:
+    """The command line that runs `moembed ARGS` as `nproc` processes on this machine (torchrun, standalone)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "moembed.cli.main", *map(str, args)]
+
+
+def launch(args: Sequence[str], nproc: int) -> int:
+    """Run `moembed ARGS` as `nproc` processes (every command's `--nproc N`) and wait; the exit status.
+
+    The children import this very moembed: the directory holding the package goes first on their path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(torchrun_command(args, nproc), env=env).returncode

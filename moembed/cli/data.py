@@ -8,16 +8,18 @@ from typing import Annotated
 
 import typer
 
+from moembed.cli import options as o
+
 # Options shared by `filter` and `mine` (both run moembed.data.curate).
 Data = Annotated[Path, typer.Argument(help='JSONL of {"query", "document", ...} pairs')]
 Teacher = Annotated[str, typer.Option(help="model directory (moembed, HF BERT or sentence-transformers)")]
 WorkDir = Annotated[Path, typer.Option(help="per-shard results for resuming (default: OUT.work, removed at the end)")]
 SkipBad = Annotated[bool, typer.Option(help="skip malformed lines (counted) instead of failing")]
 BatchSize = Annotated[int, typer.Option(help="texts per teacher forward pass")]
-Backend = Annotated[str, typer.Option(help="search backend: auto | faiss | exact")]
+Backend = Annotated[o.SearchBackend, typer.Option(help="search backend (auto: faiss when installed)")]
 Bf16 = Annotated[bool, typer.Option(help="bfloat16 autocast for the teacher")]
 CacheEmbeddings = Annotated[bool, typer.Option(help="keep shard embeddings in --work-dir for later runs")]
-Device = Annotated[str, typer.Option(help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)")]
+Device = Annotated[str, typer.Option(metavar=o.DEVICE_METAVAR, help="where the teacher runs (auto: the accelerator when there is one)")]
 MaxLength = Annotated[int | None, typer.Option(help="cut texts to N tokens, as training will (default: the teacher's limit)")]
 
 data_app = typer.Typer(help="Build training pairs and BEIR evaluation sets from installed real corpora.", no_args_is_help=True)
@@ -43,7 +45,7 @@ def list_cmd() -> None:
 @data_app.command("build")
 def build_cmd(
     name: str = typer.Argument(..., help="dataset name, see `moembed data list`"),
-    out: Path = typer.Option(..., "--out", help="output directory (replaced atomically)"),
+    out: Path = o.out_option("output directory (replaced atomically)"),
     max_pairs: int = typer.Option(5000, help="training pairs kept (0: all)"),
     eval_queries: int = typer.Option(300, help="queries in each of dev and test"),
     eval_docs: int = typer.Option(1000, help="documents in each evaluation corpus, distractors included"),
@@ -63,8 +65,8 @@ def build_cmd(
 
 @data_app.command("multilingual")
 def multilingual_cmd(
-    out: Path = typer.Option(..., "--out", help="output directory (replaced atomically)"),
-    size: str = typer.Option("small", help="tiny | small | medium | large: pairs per source, test sizes"),
+    out: Path = o.out_option("output directory (replaced atomically)"),
+    size: o.DataSize = typer.Option("small", help="pairs per source, test sizes"),
     seed: int = typer.Option(0, help="shuffling seed: same seed, same files"),
 ) -> None:
     """Write the multilingual suite: OUT/train/<source>.jsonl per language or language pair, OUT/test/<source>/
@@ -81,7 +83,7 @@ def multilingual_cmd(
 def filter_cmd(
     data: Data,
     teacher: Teacher,
-    out: Path = typer.Option(..., "--out", help="kept pairs, JSONL"),
+    out: Path = o.out_option("kept pairs, JSONL"),
     shard_size: int = typer.Option(1_000_000, help="pairs per shard (documents compete within a shard)"),
     top_k: int = typer.Option(2, help="keep a pair when its document ranks in the top K (2: Nomic, 20: Arctic)"),
     work_dir: WorkDir = None,
@@ -92,6 +94,7 @@ def filter_cmd(
     cache_embeddings: CacheEmbeddings = False,
     device: Device = "auto",
     max_length: MaxLength = None,
+    quiet: o.Quiet = False,
 ) -> None:
     """Consistency filtering (nomic-embed-v1 §4.2.1): drop pairs whose document is not in its query's top K."""
     from moembed.data.curate import CurateConfig, curate
@@ -100,14 +103,14 @@ def filter_cmd(
     cfg = CurateConfig(shard_size=shard_size, top_k=top_k, batch_size=batch_size, backend=backend, bf16=bf16,
                        cache_embeddings=cache_embeddings, device=device, max_length=max_length)
     init_from_env()  # under torchrun: join the process group, embedding is split across ranks
-    report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad)
+    report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad, show_progress=not quiet)
     _print_report(report)
 
 
 def mine_cmd(
     data: Data,
     teacher: Teacher,
-    out: Path = typer.Option(..., "--out", help="pairs with negatives, JSONL"),
+    out: Path = o.out_option("pairs with negatives, JSONL"),
     num_negatives: int = typer.Option(7, help="hard negatives kept per pair (M)"),
     margin: float = typer.Option(0.95, help="drop candidates scoring above pos_score × MARGIN (Eq. 5)"),
     abs_margin: float = typer.Option(None, help="also drop candidates scoring above pos_score − ABS_MARGIN"),
@@ -121,6 +124,7 @@ def mine_cmd(
     cache_embeddings: CacheEmbeddings = False,
     device: Device = "auto",
     max_length: MaxLength = None,
+    quiet: o.Quiet = False,
 ) -> None:
     """Positive-aware hard-negative mining (nomic-embed-v2 Eq. 5); optionally filter in the same pass."""
     from moembed.data.curate import CurateConfig, curate
@@ -133,7 +137,7 @@ def mine_cmd(
         cache_embeddings=cache_embeddings, device=device, max_length=max_length,
     )
     init_from_env()
-    report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad)
+    report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad, show_progress=not quiet)
     _print_report(report)
 
 
@@ -155,9 +159,9 @@ def _print_report(report: dict) -> None:
 @tokenizer_app.command("train")
 def tokenizer_train_cmd(
     files: list[Path] = typer.Argument(..., help="training text: plain lines, or JSONL pairs / strings"),
-    kind: str = typer.Option(..., help="bpe | wordpiece | unigram"),
+    kind: o.TokenizerKind = typer.Option(..., help="tokenizer model"),
     vocab_size: int = typer.Option(..., help="target vocabulary size (padded up to a multiple of --multiple)"),
-    out: Path = typer.Option(..., "--out", help="output directory: tokenizer.json (+ tokenizer_config.json)"),
+    out: Path = o.out_option("output directory: tokenizer.json (+ tokenizer_config.json)"),
     multiple: int = typer.Option(64, help="pad the vocabulary to a multiple of this (nomic-embed-v1 §4.1.2)"),
     lowercase: bool = typer.Option(True, help="lowercase and strip accents before tokenizing"),
     min_frequency: int = typer.Option(2, help="BPE / WordPiece: minimum pair frequency for a merge"),

@@ -6,12 +6,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import typer
+
+from moembed.cli import options as o
 
 
 def register(app: typer.Typer) -> None:
@@ -21,37 +20,39 @@ def register(app: typer.Typer) -> None:
 def encode(
     model: str = typer.Argument(..., help="moembed, Hugging Face BERT or sentence-transformers directory"),
     source: Path = typer.Argument(None, metavar="INPUT", help="texts: JSONL, plain text or Parquet"),
-    input: Path = typer.Option(None, "--input", "-i", help="the input, as an option (same as INPUT)"),
-    output: Path = typer.Option(..., "--out", "--output", "-o",
-                                help="OUT.npy: one row per text, in input order; a directory: Parquet shards (id, embedding)"),
-    format: str = typer.Option("auto", help="auto | jsonl | text | parquet (auto: parquet for .parquet, else jsonl)"),
+    out: Path = o.out_option("OUT.npy: one row per text, in input order; a directory: Parquet shards (id, embedding)",
+                             None),
+    format: o.InputFormat = typer.Option("auto", help="auto: parquet for .parquet, else jsonl; text: plain lines"),
     field: str = typer.Option(None, help="JSONL: the key of the text in each object (default: each line a JSON string)"),
     column: str = typer.Option(None, help="Parquet: the column of the texts"),
     plain: bool = typer.Option(False, help="read plain text lines (same as --format text)"),
     prompt: str = typer.Option(None, help="task prefix name, e.g. search_query"),
     dim: int = typer.Option(None, help="Matryoshka truncation to the first DIM components"),
-    precision: str = typer.Option("float32", help="float32 | int8 | uint8 | binary | ubinary"),
+    precision: o.Precision = typer.Option("float32", help="output precision (int8/uint8: calibrated ranges)"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     chunk_size: int = typer.Option(4096, help="texts read, embedded and written at a time (the unit of resumption)"),
     max_length: int = typer.Option(None, help="tokens per text (default: the model's)"),
-    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N | mps (auto: the accelerator if any)"),
+    device: str = o.device_option(),
     bf16: bool = typer.Option(False, help="bfloat16 autocast (same as --dtype bf16)"),
-    dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
+    dtype: o.Compute = typer.Option("float32", help="compute precision: bf16 autocast; int8 dynamic matmuls (CPU)"),
     calibration: Path = typer.Option(None, help="texts (same format as the input) whose embeddings set int8 ranges"),
-    nproc: int = typer.Option(None, help="split the work over N processes (torchrun; one GPU each with --device cuda)"),
+    nproc: o.Nproc = None,
+    quiet: o.Quiet = False,
+    old_input: Path = o.old_spelling("--input", "-i"),
+    old_output: Path = o.old_spelling("--output"),
 ) -> None:
     """Embed texts: one row per input text, float32 unless another precision is asked.
 
     The input is streamed in chunks and the rows are written in place, so memory does not grow with the corpus.
     An interrupted run leaves OUT.partial/ beside OUT; the same command resumes it.
     """
+    from moembed.distributed import launch
     from moembed.errors import MoembedError
     from moembed.recipes.corpus_input import CorpusInput
     from moembed.recipes.encode_corpus import EncodeJob, encode_corpus, load_model, prepare
 
-    if (source is None) == (input is None):
-        raise MoembedError("INPUT: give the input once, as an argument or with --input")
-    src = source or input
+    src = o.input_path(source, old_input)
+    output = o.renamed(out, old_output, "--out", "--output")
     if plain:
         if format not in ("auto", "text"):
             raise MoembedError(f"--plain: contradicts --format {format}")
@@ -65,28 +66,22 @@ def encode(
     job = EncodeJob(model=model, input=inp, out=output, prompt=prompt, dim=dim, precision=precision, dtype=dtype,
                     max_length=max_length, chunk_rows=chunk_size, batch_size=batch_size, device=device,
                     calibration=cal)
-    if nproc is None or nproc == 1:
-        rows, width, out_dtype = encode_corpus(job, show_progress=True)
+    nproc = o.processes(nproc)
+    if nproc == 1:
+        rows, width, out_dtype = encode_corpus(job, show_progress=not quiet)
     else:
-        if nproc < 1:
-            raise MoembedError(f"--nproc: must be >= 1, got {nproc}")
-        if "WORLD_SIZE" in os.environ:
-            raise MoembedError("--nproc: already running under torchrun; leave --nproc out there")
         emb = load_model(job)  # bad input and options fail here, with one clear line, before any process starts
         state = prepare(job, emb)
         rows, width, out_dtype = state.rows, state.width, state.dtype
         del emb
-        argv = _worker_argv(model, src, job, calibration)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "moembed.cli.main", "encode", *argv]
-        rc = subprocess.run(cmd).returncode
+        rc = launch(["encode", *_worker_argv(model, src, job, calibration, quiet)], nproc)
         if rc != 0:
             raise MoembedError(f"--nproc {nproc}: a process failed (exit {rc}); {state.root} is kept: run the same "
                                "command again to resume")
     typer.echo(f"moembed: wrote {rows} x {width} {out_dtype.name} to {output}", err=True)
 
 
-def _worker_argv(model: str, src: Path, job, calibration: Path | None) -> list[str]:
+def _worker_argv(model: str, src: Path, job, calibration: Path | None, quiet: bool) -> list[str]:
     """The command line of one rank: this job's options, without --nproc."""
     argv = [model, str(src), "--out", str(job.out), "--format", job.input.format, "--precision", job.precision,
             "--dtype", job.dtype, "--batch-size", str(job.batch_size), "--chunk-size", str(job.chunk_rows),
@@ -95,4 +90,4 @@ def _worker_argv(model: str, src: Path, job, calibration: Path | None) -> list[s
                         ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration)):
         if value is not None:
             argv += [flag, str(value)]
-    return argv
+    return argv + (["--quiet"] if quiet else [])

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     app.command("eval")(eval_cmd)
@@ -57,8 +59,8 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype:
 def eval_cmd(
     model: Path = typer.Argument(..., help="moembed, Hugging Face BERT or sentence-transformers directory"),
     tasks: list[Path] = typer.Option(None, "--tasks", help="task directories (repeat the option for several)"),
-    out: Path = typer.Option(..., "--out", help="result directory: results.json, results.md, plots"),
-    suite: str = typer.Option(None, help="add a built-in suite: dev"),
+    out: Path = o.out_option("result directory: results.json, results.md, plots"),
+    suite: o.Suite = typer.Option(None, help="add a built-in suite"),
     suite_dir: Path = typer.Option(None, help="suite location (default: CACHE_DIR/dev-suite or OUT/dev-suite)"),
     dims: str = typer.Option(None, help="Matryoshka dimensions to sweep, e.g. 384,256,128"),
     precisions: str = typer.Option("float32", help="output precisions to sweep: float32,int8,uint8,binary,ubinary"),
@@ -68,8 +70,9 @@ def eval_cmd(
     faiss: bool = typer.Option(False, "--faiss", help="search retrieval corpora with a FAISS flat index"),
     moee_sum: float = typer.Option(None, help="score with MoEE(sum): cos(HS) + ALPHA·cos(RW)"),
     name: str = typer.Option(None, help="model name in the results (default: the model's own)"),
-    device: str = typer.Option("auto", help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)"),
-    dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
+    device: str = o.device_option(),
+    dtype: o.Compute = typer.Option("float32", help="compute precision: bf16 autocast; int8 dynamic matmuls (CPU)"),
+    quiet: o.Quiet = False,
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm
@@ -82,8 +85,6 @@ def eval_cmd(
 
     dirs = list(tasks or [])
     if suite is not None:
-        if suite != "dev":
-            raise MoembedError(f"--suite: unknown {suite!r}; choose dev")
         from moembed.eval.suite import build_suite
 
         where = suite_dir or (cache_dir or out) / "dev-suite"
@@ -98,12 +99,12 @@ def eval_cmd(
     emb, model_hash = _load_model(model, moee_sum, device, dtype)
     cache = EmbeddingCache(cache_dir) if cache_dir else None
     if dim_list or precs != ["float32"]:
-        results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=True)
+        results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=not quiet)
     else:
         view = View(None, "float32", batch_size)
-        results = [run_task(emb, t, view, cache, faiss) for t in tqdm(loaded, desc="tasks", unit="task")]
+        results = [run_task(emb, t, view, cache, faiss) for t in tqdm(loaded, desc="tasks", unit="task", disable=quiet)]
     if lengths:
-        results += long_context_sweep(emb, loaded, lengths, batch_size, cache, progress=True)
+        results += long_context_sweep(emb, loaded, lengths, batch_size, cache, progress=not quiet)
     compute = getattr(emb, "compute", "float32")
     label = name or (emb.name if compute == "float32" else f"{emb.name} ({compute})")
     doc = write_results(results, out, label, model_hash)

@@ -27,6 +27,22 @@ for _name in COMMANDS:
     importlib.import_module(f"moembed.cli.{_name}").register(app)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from moembed.version import __version__
+
+        typer.echo(f"moembed {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print moembed's version and exit"),
+) -> None:
+    """Train, evaluate and use text-embedding models with sparse Mixture-of-Experts encoders."""
+
+
 def _command() -> str | None:
     return next((a for a in sys.argv[1:] if not a.startswith("-")), None)
 

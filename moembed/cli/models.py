@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     app.command("info")(info)
@@ -84,9 +86,9 @@ def _probe(emb, path: Path, plain: bool) -> None:
 
 def export(
     model: str = typer.Argument(..., help="model directory"),
-    format: str = typer.Option("sentence-transformers", "--format",
-                               help="sentence-transformers | huggingface (the family's own layout) | moembed"),
-    out: Path = typer.Option(..., "--out", help="output directory"),
+    format: o.ExportFormat = typer.Option("sentence-transformers", "--format",
+                                          help="huggingface: the family's own layout"),
+    out: Path = o.out_option("output directory"),
 ) -> None:
     """Convert a model to another format."""
     from moembed.errors import MoembedError

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     app.command("upcycle")(upcycle)
@@ -13,7 +15,7 @@ def register(app: typer.Typer) -> None:
 
 def upcycle(
     model: str = typer.Argument(..., help="dense moembed, Hugging Face (bert, roberta, xlm-roberta) or sentence-transformers directory"),
-    out: Path = typer.Option(..., "--out", help="output moembed directory"),
+    out: Path = o.out_option("output moembed directory"),
     experts: int = typer.Option(8, "--experts", help="experts per MoE layer"),
     top_k: int = typer.Option(2, "--top-k", help="experts per token (1: Switch routing)"),
     every: int = typer.Option(2, "--every", help="make every N-th layer MoE"),

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     app.command("moee")(moee)
@@ -13,21 +15,23 @@ def register(app: typer.Typer) -> None:
 
 def moee(
     model: str = typer.Argument(..., help="Hugging Face MoE causal-LM directory, or a moembed MoE encoder directory"),
-    input: Path = typer.Option(..., "--input", "-i", help="one JSON string per line (or plain lines with --plain)"),
-    output: Path = typer.Option(..., "--output", "-o", help="output .npy: one row per input line, in order"),
-    mode: str = typer.Option("concat", help="hs | rw | concat | concat_raw  (concat = [HS/|HS| ; RW/|RW|], "
-                                            "concat_raw = the paper's [HS ; RW])"),
+    source: Path = typer.Argument(None, metavar="INPUT", help="one JSON string per line (or plain lines with --plain)"),
+    out: Path = o.out_option("output .npy: one row per input line, in order", None),
+    mode: o.MoEEMode = typer.Option("concat", help="concat = [HS/|HS| ; RW/|RW|], concat_raw = the paper's [HS ; RW]"),
     prompt: str = typer.Option(None, help="language models: a Table 2 name (none, prompteol, ...) or a template "
                                           "with *sent*; encoders: a prefix name such as search_query"),
-    pooling: str = typer.Option(None, help="last | mean: token pooling of HS and RW (language models; default "
-                                           "last). Encoders always take the mean"),
-    hs_layers: str = typer.Option("last", help="last | all: HS from the last layer or the mean over all layers"),
+    pooling: o.MoEEPooling = typer.Option(None, help="token pooling of HS and RW (language models; default last). "
+                                                     "Encoders always take the mean"),
+    hs_layers: o.MoEELayers = typer.Option("last", help="HS from the last layer or the mean over all layers"),
     batch_size: int = typer.Option(32, help="texts per forward pass"),
     max_length: int = typer.Option(None, help="tokens per text (language models keep the last ones)"),
     plain: bool = typer.Option(False, help="read plain text lines instead of JSON strings"),
     bf16: bool = typer.Option(True, "--bf16/--no-bf16", help="bfloat16 weights (language models) or autocast (encoders)"),
     load_in_8bit: bool = typer.Option(False, help="8-bit weights through bitsandbytes (language models)"),
-    device: str = typer.Option("auto", help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)"),
+    device: str = o.device_option(),
+    quiet: o.Quiet = False,
+    old_input: Path = o.old_spelling("--input", "-i"),
+    old_output: Path = o.old_spelling("--output"),
 ) -> None:
     """Embed texts with the hidden state, the routing weights, or both, of an MoE model (no training)."""
     import numpy as np
@@ -35,17 +39,12 @@ def moee(
     from moembed.errors import MoembedError
     from moembed.fileio import atomic_path, read_texts
     from moembed.moee import ExtractConfig, MoEEModel, load_source
-    from moembed.moee.combine import MODES
     from moembed.moee.hf import is_hf_moe_dir
 
-    if mode not in MODES:
-        raise MoembedError(f"--mode: unknown {mode!r}; choose one of {', '.join(MODES)}")
+    input = o.input_path(source, old_input)
+    output = o.renamed(out, old_output, "--out", "--output")
     if output.suffix != ".npy":
-        raise MoembedError(f"--output: {output} must end in .npy")
-    if pooling not in (None, "last", "mean"):
-        raise MoembedError(f"--pooling: unknown {pooling!r}; choose last or mean")
-    if hs_layers not in ("last", "all"):
-        raise MoembedError(f"--hs-layers: unknown {hs_layers!r}; choose last or all")
+        raise MoembedError(f"--out: {output} must end in .npy")
     texts = read_texts(input, plain=plain)
     if is_hf_moe_dir(model):
         extract = ExtractConfig(rw_pooling=pooling or "last", hs_pooling=pooling or "last", hs_layers=hs_layers)
@@ -62,7 +61,7 @@ def moee(
             raise MoembedError(f"--prompt: unknown name {prompt!r}; this model knows: {known}")
         prompt_name = prompt
     x = MoEEModel(source, mode).encode(texts, prompt_name=prompt_name, batch_size=batch_size,
-                                        show_progress_bar=True)
+                                        show_progress_bar=not quiet)
     with atomic_path(output) as tmp, open(tmp, "wb") as fh:
         np.save(fh, x)
     typer.echo(f"moembed: wrote {x.shape[0]} x {x.shape[1]} {x.dtype} ({mode}) to {output}", err=True)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 move_app = typer.Typer(help="Mixture-of-Vocabulary-Experts: large input vocabularies built from a small one.", no_args_is_help=True)
 
 
@@ -28,15 +30,16 @@ def _read_corpus(files: list[Path], max_texts: int | None) -> list[str]:
 @move_app.command("build-vocab")
 def build_vocab(
     texts: list[Path] = typer.Argument(..., help="text files: .jsonl (strings, or query/document/text fields) or plain lines"),
-    out: Path = typer.Option(..., "--out", help="output vocabulary directory"),
+    out: Path = o.out_option("output vocabulary directory"),
     base_size: int = typer.Option(5000, help="|V_s|, the base vocabulary"),
     size: int = typer.Option(30000, help="|V_l|, the routing vocabulary the model reads"),
     experts: int = typer.Option(None, help="number of experts K (default: the §4.4.2 heuristic)"),
-    routing: str = typer.Option("hash", help="hash | learned | semantic (App. D)"),
+    routing: o.Routing = typer.Option("hash", help="how tokens are assigned to experts (App. D)"),
     semantic_model: Path = typer.Option(None, help="embedding model whose token vectors cluster semantic routing"),
     max_texts: int = typer.Option(None, help="use only the first N texts"),
     min_frequency: int = typer.Option(2, help="BPE: least pair count for a merge"),
     lowercase: bool = typer.Option(True, help="lowercase and strip accents before BPE (as `moembed tokenizer train`)"),
+    quiet: o.Quiet = False,
 ) -> None:
     """Train a BPE to |V_l| on text files, cut V_s from its first merges, decompose V_l into V_s (φ) and route."""
     from moembed.data.vocab_pair import build_vocab_pair
@@ -44,8 +47,6 @@ def build_vocab(
     from moembed.model.move import expert_mass, move_budget
 
     corpus = _read_corpus(texts, max_texts)
-    if routing not in ("hash", "learned", "semantic"):
-        raise MoembedError(f"--routing: unknown {routing!r}; choose hash, learned or semantic")
     if routing == "semantic" and semantic_model is None:
         raise MoembedError("--semantic-model: semantic routing needs an embedding model directory")
     try:
@@ -57,7 +58,7 @@ def build_vocab(
         from moembed.model.embedder import Embedder
 
         teacher = Embedder.load(semantic_model)
-        vectors = lambda strings: teacher.embed_tensor(strings, batch_size=256, show_progress=True, desc="token vectors")  # noqa: E731
+        vectors = lambda strings: teacher.embed_tensor(strings, batch_size=256, show_progress=not quiet, desc="token vectors")  # noqa: E731
     pair = build_vocab_pair(corpus, base_size, size, k, routing, vectors, min_frequency, lowercase=lowercase)
     pair.save(out)
     vs, vl = pair.sizes
@@ -72,16 +73,16 @@ def build_vocab(
 @move_app.command("init")
 def init(
     vocab: Path = typer.Argument(..., help="vocabulary directory from `moembed move build-vocab`"),
-    out: Path = typer.Option(..., "--out", help="output model directory"),
-    kind: str = typer.Option("move", help="move (MoVE V_s → V_l) | base (plain V_s table) | large (plain V_l table)"),
-    family: str = typer.Option("bert", help="bert | nomic"),
+    out: Path = o.out_option("output model directory"),
+    kind: o.VocabKind = typer.Option("move", help="move: MoVE V_s → V_l; base: plain V_s table; large: plain V_l table"),
+    family: o.Family = typer.Option("bert", help="layer style"),
     layers: int = typer.Option(4, help="transformer layers"),
     hidden: int = typer.Option(384, help="hidden size d"),
     heads: int = typer.Option(12, help="attention heads"),
     intermediate: int = typer.Option(1536, help="MLP width"),
     max_length: int = typer.Option(512, help="maximum tokens per text"),
     expert_dim: int = typer.Option(None, help="d_e (default: the §4.4.2 budget heuristic)"),
-    routing: str = typer.Option(None, help="hash | learned | semantic (default: the vocabulary's)"),
+    routing: o.Routing = typer.Option(None, help="default: the vocabulary's"),
     residual: bool = typer.Option(False, help="experts add their input to their output"),
     seed: int = typer.Option(0, help="random initialisation seed"),
 ) -> None:
@@ -92,8 +93,6 @@ def init(
     from moembed.data.vocab_pair import VocabPair, make_embedder
     from moembed.errors import MoembedError, config_error
 
-    if family not in ("bert", "nomic"):
-        raise MoembedError(f"--family: unknown {family!r}; choose bert or nomic")
     pair = VocabPair.load(vocab)
     torch.manual_seed(seed)
     try:
@@ -111,7 +110,7 @@ def init(
 @move_app.command("export")
 def export(
     model: str = typer.Argument(..., help="moembed model directory with a MoVE embedding layer"),
-    out: Path = typer.Option(..., "--out", help="output model directory (plain lookup embedding)"),
+    out: Path = o.out_option("output model directory (plain lookup embedding)"),
 ) -> None:
     """Precompute the |V_l| x d MoVE table and save a model whose embedding layer is a plain lookup."""
     from moembed.errors import MoembedError

@@ -6,29 +6,31 @@ from pathlib import Path
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     app.command("quickstart")(quickstart)
 
 
 def quickstart(
-    out: Path = typer.Option(Path("moembed-quickstart"), "--out", help="work and report directory (rerun to resume)"),
+    out: Path = o.out_option("work and report directory (rerun to resume)", Path("moembed-quickstart")),
     data: list[Path] = typer.Option(None, "--data", help="your pairs: JSONL, Parquet or a `datasets` save_to_disk "
                                     "directory (repeat for several); default: the built-in corpora"),
     fields: str = typer.Option(None, "--fields", help="field names of your records, e.g. query=q,document=d "
                                "(roles: query, document, negatives, source, language)"),
     base: str = typer.Option(None, "--base", help="base model directory (default: all-MiniLM-L6-v2)"),
     teacher: str = typer.Option(None, "--teacher", help="teacher for filtering and mining (default: the base)"),
-    preset: str = typer.Option(None, "--preset", help="a named recipe (default: english)"),
+    preset: o.Preset = typer.Option(None, "--preset", help="a named recipe (default: english)"),
     steps: int = typer.Option(None, "--steps", help="finetuning steps per model (default 120)"),
     batch_size: int = typer.Option(None, "--batch-size", help="global training batch (default 32)"),
     max_pairs: int = typer.Option(None, "--max-pairs", help="training pairs kept (your data: in all; built-in: per dataset)"),
     nproc: int = typer.Option(None, "--nproc", help="training processes per model, launched with torchrun (default 1)"),
-    device: str = typer.Option(None, "--device", help="auto | cpu | cuda | mps: where the teacher, training and "
-                               "evaluation run (default auto: the GPU when there is one)"),
-    size: str = typer.Option(None, "--size", help="tiny | small | medium | large: pairs per dataset, eval sizes"),
+    device: o.RecipeDevice = typer.Option(None, "--device", help="where the teacher, training and evaluation run "
+                                          "(default auto: the GPU when there is one)"),
+    size: o.DataSize = typer.Option(None, "--size", help="pairs per dataset, eval sizes"),
     config: Path = typer.Option(None, "--config", help="a YAML file over configs/quickstart.yaml's defaults"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
+    quiet: o.Quiet = False,
 ) -> None:
     """Split, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (6-17 min on 2 cores)."""
     import json

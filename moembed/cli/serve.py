@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
@@ -14,9 +16,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
     port: int = typer.Option(8000, help="TCP port"),
     served_model_name: str = typer.Option(None, help="the model id clients send (default: the model's name)"),
-    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N | mps (auto: the accelerator if any)"),
-    dtype: str = typer.Option("auto", help="auto | float32 | bf16 | int8 (auto: bf16 on an accelerator, float32 on "
-                              "CPU; int8: dynamic int8 matmuls, CPU only)"),
+    device: str = o.device_option(),
+    dtype: o.ServeCompute = typer.Option("auto", help="auto: bf16 on an accelerator, float32 on CPU; int8: dynamic "
+                                         "int8 matmuls, CPU only"),
     max_batch_tokens: int = typer.Option(None, help="padded tokens per forward pass (default: 4096 on CPU, 16384 on an accelerator)"),
     max_batch_size: int = typer.Option(64, help="texts per forward pass"),
     max_concurrent_requests: int = typer.Option(512, help="requests served at once; beyond: 429 + Retry-After"),

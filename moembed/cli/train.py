@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from moembed.cli import options as o
+
 
 def register(app: typer.Typer) -> None:
     @app.command("train")
@@ -11,14 +13,20 @@ def register(app: typer.Typer) -> None:
         config: str = typer.Argument(..., help="YAML training config (see docs/training.md)"),
         overrides: list[str] = typer.Argument(None, help="dotted key=value overrides, e.g. optim.lr=1e-4 steps=100"),
         fresh: bool = typer.Option(False, "--fresh", help="ignore existing checkpoints instead of resuming"),
-        quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+        nproc: o.Nproc = None,
+        quiet: o.Quiet = False,
     ) -> None:
         """Train (stages mlm | contrastive | finetune); resumes from the latest checkpoint in the run directory."""
         from moembed.train.config import load_config
-        from moembed.train.loop import train
 
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [])  # a bad config fails here, once, before any process starts
+        nproc = o.processes(nproc)
+        if nproc > 1:
+            _launch(config, overrides or [], fresh, quiet, nproc, cfg.batch_size)
+            typer.echo(f"model saved to {cfg.output_dir}/model")
+            return
         from moembed.distributed import rank
+        from moembed.train.loop import train
 
         final = train(cfg, progress=not quiet, resume=not fresh)
         if rank() == 0:
@@ -37,3 +45,17 @@ def register(app: typer.Typer) -> None:
         check_paths(cfg)
         sources = ", ".join(s.label for s in cfg.data)
         typer.echo(f"{config}: ok (stage {cfg.stage}, {cfg.steps} steps, batch {cfg.batch_size}, sources: {sources})")
+
+
+def _launch(config: str, overrides: list[str], fresh: bool, quiet: bool, nproc: int, batch_size: int) -> None:
+    """`train --nproc N`: the same command as N torchrun processes, data-parallel over the global batch."""
+    from moembed.distributed import launch
+    from moembed.errors import MoembedError
+
+    if batch_size % nproc:
+        raise MoembedError(f"--nproc: batch_size ({batch_size}) must be divisible by the number of processes ({nproc})")
+    args = ["train", config, *overrides, *(["--fresh"] if fresh else []), *(["--quiet"] if quiet else [])]
+    rc = launch(args, nproc)
+    if rc != 0:
+        raise MoembedError(f"--nproc {nproc}: a training process failed (exit {rc}); run the same command again to "
+                           "resume from the last checkpoint")

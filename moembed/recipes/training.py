@@ -16,13 +16,11 @@ A base may be a directory or a name of BASE_MODELS, converted into OUT/models/ba
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from moembed import distributed
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
 from moembed.model.embedder import NOMIC_PROMPTS as PROMPTS
@@ -138,8 +136,7 @@ def train_config(qs, kind: str, stage: str = "finetune"):
 
 def torchrun_command(config: Path, nproc: int) -> list[str]:
     """The command that trains `config` with `nproc` processes on this machine (torchrun, standalone)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "moembed.cli.main", "train", str(config), "--quiet"]
+    return distributed.torchrun_command(["train", str(config), "--quiet"], nproc)
 
 
 def train(qs, kind: str, stage: str = "finetune") -> dict:
@@ -151,12 +148,8 @@ def train(qs, kind: str, stage: str = "finetune") -> dict:
     path = qs.out / "runs" / f"{run_name(kind, stage)}.yaml"
     with atomic_path(path) as tmp:
         tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
-    # The children run this very moembed (the directory holding the package first on their path).
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    cmd = torchrun_command(path, qs.cfg.nproc)
-    r = subprocess.run(cmd, env=env)
-    if r.returncode != 0:
-        raise MoembedError(f"{run_name(kind, stage)}: torchrun with {qs.cfg.nproc} processes failed (exit {r.returncode}): "
-                           f"{' '.join(cmd)}")
+    rc = distributed.launch(["train", str(path), "--quiet"], qs.cfg.nproc)
+    if rc != 0:
+        raise MoembedError(f"{run_name(kind, stage)}: torchrun with {qs.cfg.nproc} processes failed (exit {rc}): "
+                           f"{' '.join(torchrun_command(path, qs.cfg.nproc))}")
     return {"model": str(Path(cfg.output_dir) / "model"), "processes": qs.cfg.nproc}
