@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import click
 import typer
 
 from moembed.errors import MoembedError
@@ -86,11 +85,10 @@ def warn(message: str) -> None:
 def renamed(new: Any, old: Any, new_flag: str, old_flag: str, required: bool = True) -> Any:
     """The value given with `new_flag`, or else with its deprecated spelling `old_flag` (with a warning).
 
-    Both at once is an error; neither, when `required`, is click's own missing-parameter error."""
+    Both at once is an error, and so is neither when `required`."""
     if old is None:
         if new is None and required:
-            kind = "argument" if not new_flag.startswith("-") else "option"
-            raise click.MissingParameter(param_hint=f"'{new_flag}'", param_type=kind)
+            raise MoembedError(f"{new_flag}: missing")
         return new
     if new is not None:
         raise MoembedError(f"{old_flag}: the old spelling of {new_flag}; give {new_flag} only")
