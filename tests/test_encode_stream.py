@@ -147,7 +147,7 @@ def test_unknown_device_and_cli_errors(tiny_dir, tmp_path):
     with pytest.raises(MoembedError, match="--out: .*o.npz must end in .npy"):
         job_of(tiny_dir, path, tmp_path / "o.npz")
     r = run_cli("encode", tiny_dir, path, "-i", path, "--out", tmp_path / "o.npy")
-    assert r.returncode == 1 and "INPUT: give the input once" in r.stderr
+    assert r.returncode == 1 and "--input: the old spelling of INPUT; give INPUT only" in r.stderr
     r = run_cli("encode", tiny_dir, path, "--out", tmp_path / "o.npy", "--device", "tpu")
     assert r.returncode == 1 and "choose one of auto, cpu, cuda" in r.stderr and "Traceback" not in r.stderr
 
