@@ -358,11 +358,11 @@ def test_encoder_sum_model_and_cli(tiny_moe, tmp_path):
     inp = tmp_path / "t.txt"
     inp.write_text("\n".join(TEXTS) + "\n")
     out = tmp_path / "rw.npy"
-    res = CliRunner().invoke(app, ["moee", str(path), "-i", str(inp), "-o", str(out), "--plain", "--mode", "rw",
+    res = CliRunner().invoke(app, ["moee", str(path), str(inp), "-o", str(out), "--plain", "--mode", "rw",
                                    "--no-bf16"])
     assert res.exit_code == 0, res.output
     np.testing.assert_allclose(np.load(out), rw, atol=1e-5)
-    bad = CliRunner().invoke(app, ["moee", str(path), "-i", str(inp), "-o", str(out), "--plain", "--pooling", "last"])
+    bad = CliRunner().invoke(app, ["moee", str(path), str(inp), "-o", str(out), "--plain", "--pooling", "last"])
     assert isinstance(bad.exception, MoembedError) and "--pooling" in str(bad.exception)
 
 
