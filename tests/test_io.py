@@ -121,7 +121,7 @@ def test_hub_name_says_how_to_get_a_local_copy(tmp_path, monkeypatch):
         Embedder.load("sentence-transformers/all-MiniLM-L6-v2")
     msg = str(e.value)
     assert "looks like a Hugging Face Hub name" in msg and "local directories only" in msg
-    assert "huggingface-cli download sentence-transformers/all-MiniLM-L6-v2 --local-dir DIR" in msg
+    assert "`hf download sentence-transformers/all-MiniLM-L6-v2 --local-dir DIR`" in msg  # huggingface_hub's CLI
     assert "SentenceTransformer('sentence-transformers/all-MiniLM-L6-v2').save('DIR')" in msg
 
 

@@ -98,7 +98,7 @@ def _not_local(path: Path) -> str:
     hub = "/" in name and not path.is_absolute() and not name.startswith(".") and len(path.parts) == 2
     what = f"{name!r} looks like a Hugging Face Hub name, but moembed" if hub else f"{name}: no such directory; moembed"
     return (f"{what} reads models from local directories only and never downloads. Download the model on a "
-            f"machine with internet access, e.g. `huggingface-cli download {name if hub else 'ORG/NAME'} --local-dir "
+            f"machine with internet access, e.g. `hf download {name if hub else 'ORG/NAME'} --local-dir "
             f"DIR` or `SentenceTransformer({(name if hub else 'ORG/NAME')!r}).save('DIR')`, copy DIR here and pass "
             f"its path")
 
