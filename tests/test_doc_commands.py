@@ -191,3 +191,27 @@ def test_runtime_dependencies_hold_the_base_models_and_not_the_test_references()
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] == "pytrec_eval" for n in names), path
+
+
+def test_the_readme_layout_names_every_module():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("```\nmoembed/\n"):]
+    block = block[: block.index("\n```", 4)]
+    sections: dict[str, str] = {"": ""}  # package → its lines of the listing ("": the top-level modules)
+    current = ""
+    for line in block.splitlines()[2:]:
+        m = re.match(r"  (\w+)/\s", line)
+        if m:
+            current = m.group(1)
+        elif not line.startswith("   "):
+            current = ""
+        sections[current] = sections.get(current, "") + line + "\n"
+    missing = []
+    pkg = ROOT / "moembed"
+    for path in sorted(pkg.rglob("*.py")):
+        if path.stem == "__init__":
+            continue
+        top = path.relative_to(pkg).parts[0] if len(path.relative_to(pkg).parts) > 1 else ""
+        if not re.search(rf"\b{path.stem}\b", sections.get(top, "")):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"README.md's layout does not name: {', '.join(missing)}"
