@@ -153,12 +153,15 @@ def write_report(qs) -> dict:
                                           suite_table, language_text))
     with atomic_path(report / "models" / "moe" / "README.md") as tmp:
         tmp.write_text(_text.model_card(qs, table, summary, verdict(summary), stages, load_lines, decisions))
+    groups = _text.group_summary(summary, test_sets) if test_sets else None
     return {"summary": summary, "verdict": verdict(summary), "table": table, "decisions": decisions,
-            "suite_table": suite_table, "languages": language_text}
+            "suite_table": suite_table, "languages": language_text, "groups": groups}
 
 
 def print_headline(result: dict) -> None:
-    print("\n" + result["table"] + "\n\n" + result["verdict"])
+    """The end of `moembed quickstart`: the headline table (over many languages, the per-group summary; the full
+    table is in the report), the verdict and the data-scale warning."""
+    print("\n" + (result.get("groups") or result["table"]) + "\n\n" + result["verdict"])
     warning = (result.get("decisions") or {}).get("warning")
     if warning:
         print("\nWarning: " + warning)
