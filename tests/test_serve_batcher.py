@@ -60,8 +60,8 @@ def test_requests_share_passes_and_come_back_in_order():
     async def go():
         fn.gate.clear()  # hold the worker on the first pass so the other requests queue up behind it
         first = asyncio.ensure_future(b.embed(requests[0]))
-        for _ in range(2000):  # until the worker has taken the first request off the queue (it is held)
-            if b.queue_depth and not b._queue:
+        for _ in range(2000):  # until the worker holds a pass of the first request
+            if b.queue_depth and (not b._jobs or b._jobs[0].next):
                 break
             await asyncio.sleep(0.005)
         rest = [asyncio.ensure_future(b.embed(r)) for r in requests[1:]]
