@@ -96,6 +96,7 @@ class EmbeddingService:
         """SIGTERM: admit no more requests; answer those admitted, or give them 503 after `grace` seconds."""
         self.stopping = True
         self.reader.stop()
+        self.batcher.oldest_first()
         asyncio.get_running_loop().call_later(grace, self._expire)
 
     def _expire(self) -> None:

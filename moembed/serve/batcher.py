@@ -163,6 +163,7 @@ class Batcher:
         self._closing = False
         self._aborted: BaseException | None = None
         self._new_turn = True  # whose turn the next pass is when new and started jobs both wait
+        self._oldest_first = False  # shutdown: finish requests one by one instead of sharing passes fairly
         self._thread = threading.Thread(target=self._run, name="moembed-batcher", daemon=True)
 
     @property
@@ -189,6 +190,12 @@ class Batcher:
                 self._waiting -= job.undispatched
                 job.fail(exc)
         return len(jobs)
+
+    def oldest_first(self) -> None:
+        """Shutdown: from now on passes finish the oldest request first, so that as many requests as possible are
+        complete when the grace period ends (fair shares would leave every one of them half done)."""
+        with self._cond:
+            self._oldest_first = True
 
     def submit(self, ids: list[list[int]]) -> asyncio.Future:
         """Queue the token-id lists; the future gives their embeddings (n, dim), in order. Cancelling the future
@@ -236,14 +243,17 @@ class Batcher:
                 self._waiting -= job.undispatched
             else:
                 live.append(job)
-        new = [j for j in live if j.next == 0]
-        started = [j for j in live if j.next > 0]
-        take_new = bool(new) and (self._new_turn or not started)
-        group = new if take_new else started
-        if started and new:
-            self._new_turn = not take_new
+        if self._oldest_first:
+            group, share = live[:1], self.max_batch_tokens
+        else:
+            new = [j for j in live if j.next == 0]
+            started = [j for j in live if j.next > 0]
+            take_new = bool(new) and (self._new_turn or not started)
+            group, share = (new if take_new else started), self.share
+            if started and new:
+                self._new_turn = not take_new
         counts = plan_pass([j.lengths(self.max_batch_size) for j in group], self.max_batch_tokens,
-                           self.max_batch_size, self.share)
+                           self.max_batch_size, share)
         batch = []
         for job, k in zip(group, counts):
             batch.extend((job, i) for i in job.order[job.next:job.next + k])
