@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from moembed.serve.batcher import Batcher, plan_batches
+from moembed.serve.batcher import Batcher, ShuttingDown, plan_batches, plan_pass
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -30,6 +30,35 @@ def test_plan_is_greedy():
     assert [len(b) for b in plan_batches([8] * 10, max_tokens=10_000, max_size=3)] == [3, 3, 3, 1]
     # a text longer than the budget still gets a batch of its own (the app refuses such budgets upfront)
     assert plan_batches([100, 1], max_tokens=50, max_size=8) == [[1], [0]]
+
+
+def test_plan_pass_takes_turns_within_budget_size_and_share():
+    # round-robin, one text per queue per turn; the first queue stops at its share (2 x 8 = 16 tokens)
+    assert plan_pass([[8] * 100, [8]], max_tokens=64, max_size=64, share=16) == [2, 1]
+    # the pass budget: a third text of 30 tokens would make 3 x 30 > 64
+    assert plan_pass([[30, 30, 30], [30]], max_tokens=64, max_size=64, share=64) == [1, 1]
+    assert plan_pass([[1] * 10] * 3, max_tokens=1000, max_size=4, share=1000) == [2, 1, 1]
+    # texts longer than a budget still get a pass: the pass's first text, and each queue's first text
+    assert plan_pass([[100]], max_tokens=50, max_size=8, share=10) == [1]
+    assert plan_pass([[4, 4], [20, 20]], max_tokens=64, max_size=8, share=10) == [2, 1]
+    assert plan_pass([[], [3]], max_tokens=64, max_size=8, share=64) == [0, 1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_pass_respects_every_limit(seed):
+    rng = random.Random(seed)
+    queues = [sorted(rng.randint(1, 64) for _ in range(rng.randint(0, 40))) for _ in range(rng.randint(1, 12))]
+    counts = plan_pass(queues, max_tokens=512, max_size=32, share=128)
+    taken = [q[:k] for q, k in zip(queues, counts)]
+    flat = [x for t in taken for x in t]
+    assert flat and len(flat) <= 32 and len(flat) * max(flat) <= 512
+    assert all(len(t) <= 1 or len(t) * max(t) <= 128 for t in taken)
+    # greedy: no queue could have added its next text
+    for q, t in zip(queues, taken):
+        if len(t) < len(q):
+            nxt = q[len(t)]
+            assert (len(flat) + 1 > 32 or (len(flat) + 1) * max(max(flat), nxt) > 512
+                    or (t and (len(t) + 1) * max(max(t), nxt) > 128))
 
 
 class RecordingEmbed:
@@ -60,8 +89,8 @@ def test_requests_share_passes_and_come_back_in_order():
     async def go():
         fn.gate.clear()  # hold the worker on the first pass so the other requests queue up behind it
         first = asyncio.ensure_future(b.embed(requests[0]))
-        for _ in range(2000):  # until the worker has taken the first request off the queue (it is held)
-            if b.queue_depth and not b._queue:
+        for _ in range(2000):  # until the worker holds a pass of the first request
+            if b.queue_depth and (not b._jobs or b._jobs[0].next):
                 break
             await asyncio.sleep(0.005)
         rest = [asyncio.ensure_future(b.embed(r)) for r in requests[1:]]
@@ -145,3 +174,117 @@ def test_forward_passes_run_with_the_threads_asked_for():
     finally:
         b.close(30)
     assert seen == [before + 2] and torch.get_num_threads() == before  # this thread's count untouched
+
+
+def _held(b: Batcher, fn: RecordingEmbed):
+    """Wait (on the loop) until the worker holds its first pass at the gate."""
+
+    async def wait():
+        for _ in range(2000):
+            if fn.waiting:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("the worker never reached the gate")
+
+    return wait()
+
+
+class GatedEmbed(RecordingEmbed):
+    """RecordingEmbed that says when a pass waits at the gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = False
+
+    def __call__(self, ids):
+        self.waiting = True
+        try:
+            return super().__call__(ids)
+        finally:
+            self.waiting = False
+
+
+def test_a_newcomer_runs_in_the_next_pass_and_large_requests_go_in_slices():
+    """A 200-text request runs in slices of `share` tokens; one-text requests that arrive while it runs are
+    merged into the very next pass, and the large request's next slice follows them."""
+    fn = GatedEmbed()
+    b = Batcher(fn, dim=2, max_batch_tokens=64, max_batch_size=64, share=16)
+    b.start()
+    big = [[7] * 8 for _ in range(200)]
+    small = [[[i + 1] * 5] for i in range(3)]
+
+    async def go():
+        fn.gate.clear()
+        first = b.submit(big)
+        await _held(b, fn)
+        later = [b.submit(s) for s in small]
+        fn.gate.set()
+        return await asyncio.gather(first, *later)
+
+    outs = _run(go())
+    b.close(10)
+    assert fn.batches[0] == big[:2]  # the first slice: 2 texts x 8 tokens = the share
+    assert sorted(fn.batches[1]) == sorted(s[0] for s in small)  # all three newcomers, in one pass, right away
+    assert fn.batches[2] == big[:2]  # then the large request goes on
+    assert all(len(x) <= 2 for x in fn.batches if x[0][0] == 7)
+    assert outs[0].tolist() == [[56.0, 8.0]] * 200
+    assert [o.tolist() for o in outs[1:]] == [[[5.0 * (i + 1), 5.0]] for i in range(3)]
+
+
+def test_texts_of_a_cancelled_request_are_dropped():
+    fn = GatedEmbed()
+    b = Batcher(fn, dim=2, max_batch_tokens=64, max_batch_size=64, share=16)
+    b.start()
+
+    async def go():
+        fn.gate.clear()
+        fut = b.submit([[1] * 8 for _ in range(200)])
+        await _held(b, fn)
+        fut.cancel()  # the client went away
+        fn.gate.set()
+        return await b.embed([[2, 2]])
+
+    assert _run(go()).tolist() == [[4.0, 2.0]]
+    b.close(10)
+    assert len(fn.batches) == 2 and b.queue_depth == 0  # the held slice, then the next request: nothing else
+
+
+def test_abort_fails_what_is_queued_and_refuses_more():
+    fn = GatedEmbed()
+    b = Batcher(fn, dim=2, max_batch_tokens=64, max_batch_size=64, share=16)
+    b.start()
+
+    async def go():
+        fn.gate.clear()
+        held = b.submit([[1] * 8 for _ in range(10)])
+        await _held(b, fn)
+        queued = b.submit([[3]])
+        assert b.abort(ShuttingDown("stopping")) == 2
+        fn.gate.set()
+        with pytest.raises(ShuttingDown):
+            b.submit([[4]])
+        return await asyncio.gather(held, queued, return_exceptions=True)
+
+    outs = _run(go())
+    b.close(10)
+    assert all(isinstance(o, ShuttingDown) for o in outs)
+    assert len(fn.batches) == 1 and b.queue_depth == 0
+
+
+def test_oldest_first_finishes_requests_one_by_one():
+    fn = GatedEmbed()
+    b = Batcher(fn, dim=2, max_batch_tokens=64, max_batch_size=64, share=16)
+    b.start()
+
+    async def go():
+        fn.gate.clear()
+        hold = b.submit([[9]])
+        await _held(b, fn)
+        jobs = [b.submit([[k] * 8 for _ in range(4)]) for k in (1, 2)]
+        b.oldest_first()
+        fn.gate.set()
+        return await asyncio.gather(hold, *jobs)
+
+    _run(go())
+    b.close(10)
+    assert fn.batches[1:] == [[[1] * 8] * 4, [[2] * 8] * 4]  # whole requests, oldest first, not shares

@@ -1,14 +1,21 @@
 """The ASGI app (Starlette): POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics.
 
-A request's path: admission (at most `max_concurrent_requests` at once, else 429 + Retry-After) → JSON
-validation (400 naming the field) → limits (413: too many texts, or a text too long with truncation off) →
-tokenization → the batcher (shared forward passes on the worker thread) → truncation, normalisation and
-precision → JSON. Tokenizing and serialising large requests run in a thread pool, so the event loop keeps
-accepting requests while they work.
+A request's path: the body, read under limits (limits.py: 415 not JSON, 413 too large, 408 too slow, 429 too
+many bytes held) → admission, once the body is complete (at most `max_concurrent_requests` at once, else 429 +
+Retry-After) → JSON validation (400 naming the field) → limits (413: too many texts, or a text too long with
+truncation off) → each text cut to `--max-chars` characters → tokenization → the batcher (shared forward passes on
+the worker thread) → truncation, normalisation and precision → JSON. Tokenizing and serialising large requests
+run in a thread pool, so the event loop keeps accepting requests while they work. A client that disconnects is
+logged and counted as 499, and the texts it left queued are dropped.
+
+Shutdown (`stop`, called on SIGTERM): no request is admitted any more (503), bodies still arriving are abandoned
+(503); requests admitted are answered, and those still unanswered when the grace period ends get 503 while their
+queued texts are dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -24,10 +31,11 @@ from starlette.routing import Route
 
 from moembed.errors import MoembedError
 from moembed.serve.auth import BearerAuth
-from moembed.serve.batcher import Batcher
+from moembed.serve.batcher import Batcher, ShuttingDown
 from moembed.serve.config import ServeConfig
 from moembed.serve.engine import Engine, TooLong
-from moembed.serve.metrics import CONTENT_TYPE, Metrics
+from moembed.serve.limits import BodyReader, ClientGone, check_content_type
+from moembed.serve.metrics import CONTENT_TYPE, Metrics, endpoint
 from moembed.serve.protocol import ApiError, EmbeddingRequest, encode_response, parse_request
 
 log = logging.getLogger("moembed")
@@ -62,9 +70,14 @@ class EmbeddingService:
         if budget < engine.max_length:
             raise MoembedError(f"--max-batch-tokens: {budget} is below the model's maximum text length "
                                f"({engine.max_length} tokens); one long text must fit in a forward pass")
-        self.batcher = Batcher(engine.embed, engine.dim, budget, config.max_batch_size, self.metrics.on_batch, threads)
+        share = config.share_tokens(engine.device_type, budget)
+        self.batcher = Batcher(engine.embed, engine.dim, budget, config.max_batch_size, self.metrics.on_batch, threads,
+                               share)
         self.metrics.watch_queue(lambda: self.batcher.queue_depth)
+        self.reader = BodyReader(config.max_request_bytes, config.max_buffered_bytes, config.read_timeout)
+        self.max_chars = config.chars(engine.max_length)
         self.in_flight = 0
+        self.stopping = False
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -75,42 +88,71 @@ class EmbeddingService:
         log.info("serving %s (dim %d, max length %d) on %s, computing in %s", self.engine.name, self.engine.dim,
                  self.engine.max_length, self.engine.device_type, self.engine.compute)
         yield
-        # uvicorn has stopped accepting connections and finished the requests in flight: drain and stop.
+        # uvicorn has stopped accepting connections and every request has been answered: stop the worker.
+        self.batcher.abort(ShuttingDown("server shutting down"))
         await to_thread.run_sync(self.batcher.close)
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM: admit no more requests; answer those admitted, or give them 503 after `grace` seconds."""
+        self.stopping = True
+        self.reader.stop()
+        self.batcher.oldest_first()
+        asyncio.get_running_loop().call_later(grace, self._expire)
+
+    def _expire(self) -> None:
+        n = self.batcher.abort(ShuttingDown("server shutting down: the graceful timeout ended before this request "
+                                            "was embedded"))
+        if n:
+            log.warning("graceful timeout: %d request(s) still queued answered with 503", n)
 
     # ---- routes ------------------------------------------------------------------------------------------------
 
     async def embeddings(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        if self.in_flight >= self.config.max_concurrent_requests:
-            self.metrics.requests.labels("embeddings", "429").inc()
-            return _error(ApiError(429, f"server busy: {self.in_flight} requests in flight "
-                                   "(--max-concurrent-requests); retry later", None, "overloaded", {"Retry-After": "1"}))
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
-        status = 500
+        status, body = 500, b""
         try:
-            response = await self._embed(await request.body())
+            if self.stopping:
+                raise ApiError(503, "server shutting down: request not admitted; retry", None, "shutting_down")
+            check_content_type(request.headers.get("content-type"))
+            body = await self.reader.read(request.receive, request.headers.get("content-length"))
+            if self.in_flight >= self.config.max_concurrent_requests:
+                raise ApiError(429, f"server busy: {self.in_flight} requests in flight (--max-concurrent-requests); "
+                               "retry later", None, "overloaded", {"Retry-After": "1"})
+            self.in_flight += 1
+            self.metrics.in_flight.inc()
+            try:
+                response = await self._embed(body, request.receive)
+            finally:
+                self.in_flight -= 1
+                self.metrics.in_flight.dec()
             status = 200
             return response
         except ApiError as e:
             status = e.status
             return _error(e)
+        except ClientGone:
+            status = 499  # nginx's code for it: nobody reads this response
+            log.info("embeddings: the client closed its connection before the response")
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - one failed request must not stop the server
             log.exception("embedding request failed")
             return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error"))
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
+            self.reader.release(len(body))
             self.metrics.requests.labels("embeddings", str(status)).inc()
             self.metrics.latency.observe(time.perf_counter() - t0)
 
-    async def _embed(self, body: bytes) -> Response:
+    async def _embed(self, body: bytes, receive) -> Response:
         req = parse_request(body)
         self._check(req)
-        big = sum(map(len, req.input)) > INLINE_CHARS
-        ids, truncated = await to_thread.run_sync(self._tokenize, req) if big else self._tokenize(req)
-        emb = await self.batcher.embed(ids)  # (n, d) pooled float32
+        texts, cut = self._cut(req.input)
+        big = sum(map(len, texts)) > INLINE_CHARS
+        ids, truncated = await to_thread.run_sync(self._tokenize, texts, req) if big else self._tokenize(texts, req)
+        truncated += sum(len(ids[i]) < self.engine.max_length for i in cut)  # cut, yet short enough in tokens
+        try:
+            emb = await _until_gone(self.batcher.submit(ids), receive)  # (n, d) pooled float32
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), None, "shutting_down") from None
         tokens = sum(map(len, ids))
         big = emb.shape[0] * (req.dimensions or self.engine.dim) > INLINE_FLOATS
         payload = (await to_thread.run_sync(_one_torch_thread, self._respond, emb, req, tokens) if big
@@ -119,6 +161,20 @@ class EmbeddingService:
         self.metrics.tokens.inc(tokens)
         self.metrics.truncated.inc(truncated)
         return Response(payload, media_type="application/json")
+
+    def _cut(self, texts: list[str]) -> tuple[list[str], list[int]]:
+        """Texts cut to `max_chars` characters before the tokenizer sees them (its work and memory grow with the
+        whole text, while the model reads only its first max_length tokens), and the indices cut; with truncation
+        off, a longer text is refused with 413."""
+        limit = self.max_chars
+        cut = [i for i, t in enumerate(texts) if len(t) > limit]
+        if not cut:
+            return texts, cut
+        if not self.config.auto_truncate:
+            i = cut[0]
+            raise ApiError(413, f"input[{i}]: {len(texts[i])} characters exceed the limit of {limit} (--max-chars; "
+                           "the server runs with --no-auto-truncate)", "input", "input_too_long")
+        return [t[:limit] if len(t) > limit else t for t in texts], cut
 
     def _check(self, req: EmbeddingRequest) -> None:
         eng = self.engine
@@ -134,9 +190,9 @@ class EmbeddingService:
             raise ApiError(400, "precision: int8 needs calibration embeddings stored with the model "
                            "(calibration.safetensors); this model has none", "precision", "int8_uncalibrated")
 
-    def _tokenize(self, req: EmbeddingRequest) -> tuple[list[list[int]], int]:
+    def _tokenize(self, texts: list[str], req: EmbeddingRequest) -> tuple[list[list[int]], int]:
         try:
-            return self.engine.tokenize(req.input, req.input_type, self.config.auto_truncate)
+            return self.engine.tokenize(texts, req.input_type, self.config.auto_truncate)
         except TooLong as e:
             raise ApiError(413, f"{e} (the server runs with --no-auto-truncate)", "input", "input_too_long") from None
 
@@ -157,6 +213,27 @@ class EmbeddingService:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def _until_gone(fut: asyncio.Future, receive):
+    """The future's result, unless the client disconnects first: then the future is cancelled (the batcher drops
+    the texts it has not embedded yet) and ClientGone is raised."""
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((fut, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not fut.done():
+            fut.cancel()
+        gone.cancel()
+    if fut.cancelled():
+        raise ClientGone
+    return fut.result()
+
+
+async def _disconnect(receive) -> None:
+    """Returns when the client disconnects (the ASGI server's receive() waits for that once the body is read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, "not_found"
                            if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None))
@@ -173,7 +250,9 @@ def build_app(engine: Engine, config: ServeConfig, metrics: Metrics | None = Non
         Route("/health", svc.health, methods=["GET"]),
         Route("/metrics", svc.prometheus, methods=["GET"]),
     ]
-    middleware = [Middleware(BearerAuth, key=config.api_key.get_secret_value())] if config.api_key else []
+    refused = lambda path: svc.metrics.requests.labels(endpoint(path), "401").inc()  # noqa: E731
+    middleware = ([Middleware(BearerAuth, key=config.api_key.get_secret_value(), on_refused=refused)]
+                  if config.api_key else [])
     app = Starlette(routes=routes, middleware=middleware, lifespan=svc.lifespan,
                     exception_handlers={HTTPException: _http_error})
     app.state.service = svc

@@ -1,7 +1,7 @@
 """Bearer-key authentication: every endpoint but /health needs `Authorization: Bearer KEY` (401 otherwise).
 
 The key is compared in constant time (hmac.compare_digest), so response timing does not reveal how much of a
-guessed key was right.
+guessed key was right. Each refusal is reported to `on_refused(path)` (the server counts them in /metrics).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ def authorized(header: bytes | None, key: bytes) -> bool:
 class BearerAuth:
     """ASGI middleware in front of the app (no per-request overhead beyond one header lookup)."""
 
-    def __init__(self, app, key: str):
+    def __init__(self, app, key: str, on_refused=None):
         self.app = app
         self.key = key.encode()
+        self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -34,6 +35,8 @@ class BearerAuth:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if authorized(header, self.key):
             return await self.app(scope, receive, send)
+        if self.on_refused is not None:
+            self.on_refused(scope["path"])
         err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key")
         body = err.body()
         await send({"type": "http.response.start", "status": 401, "headers": [

@@ -1,6 +1,7 @@
 """Server metrics in the Prometheus text format (GET /metrics), on a registry of the server's own.
 
-    moembed_requests_total{endpoint,status}    requests answered, by endpoint and HTTP status
+    moembed_requests_total{endpoint,status}    requests answered, by endpoint and HTTP status (401s included;
+                                               499: the client disconnected before its response)
     moembed_texts_total, moembed_tokens_total  texts embedded and their tokens (prefix and specials included)
     moembed_texts_truncated_total              texts cut to the model's maximum length
     moembed_batch_size                         texts per forward pass (histogram)
@@ -21,6 +22,14 @@ from moembed.serve.batcher import BatchStats
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _POW2 = tuple(float(2**i) for i in range(0, 17))  # 1 … 65536
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+ENDPOINTS = {"/v1/embeddings": "embeddings", "/v1/models": "models", "/metrics": "metrics", "/health": "health"}
+
+
+def endpoint(path: str) -> str:
+    """The `endpoint` label of a request path ("other" for paths the server does not serve)."""
+    return ENDPOINTS.get(path, "other")
 
 
 class Metrics:

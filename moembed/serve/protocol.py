@@ -20,7 +20,8 @@ class ApiError(Exception):
     """A request the server refuses: HTTP status + the OpenAI error fields."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):

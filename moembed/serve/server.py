@@ -1,7 +1,10 @@
-"""Run the app under uvicorn: load the model, warn about open binds, drain on SIGTERM and exit 0.
+"""Run the app under uvicorn: load the model, warn about open binds, shut down on SIGTERM and exit 0.
 
-On SIGTERM (or Ctrl-C) uvicorn stops accepting connections, lets requests in flight finish (at most
-`graceful_timeout` seconds), then the app's lifespan drains the batcher's queue and stops its worker.
+On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and the app stops admitting requests (503); requests
+admitted are answered, and those still waiting when `graceful_timeout` seconds have passed get a JSON 503 while
+their queued texts are dropped (`EmbeddingService.stop`). uvicorn's own deadline, half a second later, only
+backs this up. The app's lifespan then stops the batcher's worker after the pass it is running, so the process
+exits within the graceful timeout plus one pass.
 """
 
 from __future__ import annotations
@@ -24,16 +27,29 @@ def bind_warning(config: ServeConfig) -> str | None:
     if config.loopback or config.api_key is not None:
         return None
     return (f"serving on {config.host} without an API key: anyone who can reach this address can use the model "
-            f"(set --api-key or {API_KEY_ENV})")
+            f"(set --api-key-file or {API_KEY_ENV})")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when shutdown starts (uvicorn itself only tells it once every request
+    has finished)."""
+
+    def __init__(self, config: uvicorn.Config, service, grace: float):
+        super().__init__(config)
+        self.service, self.grace = service, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        self.service.stop(self.grace)
+        await super().shutdown(sockets)
 
 
 def uvicorn_server(app, config: ServeConfig) -> uvicorn.Server:
     """A uvicorn server for `app` (from build_app) with the config's address and graceful timeout; not started."""
     uv = uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", access_log=False, log_level="info",
-        timeout_graceful_shutdown=config.graceful_timeout,
+        timeout_graceful_shutdown=config.graceful_timeout + 0.5,
     )
-    return uvicorn.Server(uv)
+    return _Server(uv, app.state.service, config.graceful_timeout)
 
 
 def run(config: ServeConfig) -> None:
