@@ -66,8 +66,13 @@ class DataCheck:
                 f"{self.bad} malformed, {self.empty} empty")
 
     def listing(self) -> str:
-        more = f"\n  ... and {self.bad - len(self.errors)} more" if self.bad > len(self.errors) else ""
-        return "".join(f"\n  {e}" for e in self.errors) + more
+        return listing(self.errors, self.bad)
+
+
+def listing(errors: list[str], total: int) -> str:
+    """The listed errors one per indented line, and how many more there are: the tail of an error message."""
+    more = f"\n  ... and {total - len(errors)} more" if total > len(errors) else ""
+    return "".join(f"\n  {e}" for e in errors) + more
 
 
 def scan_sources(sources: list[SourceConfig], text: bool = False, max_listed: int = MAX_LISTED) -> DataCheck:
@@ -84,8 +89,12 @@ def scan_sources(sources: list[SourceConfig], text: bool = False, max_listed: in
             if len(report.errors) < max_listed:
                 report.errors.append(message)
 
+        def undecodable(message: str, s: SourceCheck = s) -> None:
+            s.records += 1
+            bad(message)
+
         parse = kind.parse
-        for where, value in open_reader(cfg, kind.columns(cfg)).scan(bad):  # undecodable records go to `bad`
+        for where, value in open_reader(cfg, kind.columns(cfg)).scan(undecodable):
             s.records += 1
             try:
                 if parse(cfg, value, where) is None:
