@@ -287,9 +287,9 @@ def read_error(path: str | os.PathLike, e: OSError) -> MoembedError:
     """The error for an input that cannot be opened: a directory and a missing file are named as such."""
     path = Path(path)
     if isinstance(e, IsADirectoryError) or path.is_dir():
-        return MoembedError(f"{path}: is a directory, not a file")
+        return MoembedError(f"{path}: cannot read (is a directory, not a file)")
     if isinstance(e, FileNotFoundError):
-        return MoembedError(f"{path}: no such file")
+        return MoembedError(f"{path}: cannot read (no such file)")
     return MoembedError(f"{path}: cannot read ({e.strerror or e})")
 
 

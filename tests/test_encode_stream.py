@@ -365,6 +365,6 @@ def test_a_state_left_by_a_run_that_met_a_bad_line_gives_a_clear_error_on_resume
 def test_a_directory_as_input_says_so(tiny_dir, tmp_path):
     (tmp_path / "texts").mkdir()
     r = run_cli("encode", tiny_dir, tmp_path / "texts", "--out", tmp_path / "o.npy", "--device", "cpu")
-    assert r.returncode == 1 and "texts: is a directory, not a file" in r.stderr
+    assert r.returncode == 1 and "texts: cannot read (is a directory, not a file)" in r.stderr
     r = run_cli("encode", tiny_dir, tmp_path / "nope.jsonl", "--out", tmp_path / "o.npy", "--device", "cpu")
-    assert r.returncode == 1 and "nope.jsonl: no such file" in r.stderr
+    assert r.returncode == 1 and "nope.jsonl: cannot read (no such file)" in r.stderr

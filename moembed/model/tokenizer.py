@@ -1,8 +1,8 @@
 """A thin wrapper over a `tokenizers.Tokenizer`: batch encoding with truncation counting and right padding.
 
 A text longer than the model can read is cut before the tokenizer sees it, exactly. The tokenizer normalises and
-pre-tokenizes the whole string it is given before truncating, so without a cut a 10 MB text costs seconds and
-about 1.5 GB to keep 256 tokens (BENCHMARKS.md, "Long texts"). A text of more than `max_length × CUT_CHARS_PER_TOKEN`
+pre-tokenizes the whole string it is given before truncating, so without a cut a text of megabytes costs seconds
+and gigabytes to keep 256 tokens (BENCHMARKS.md, "Long texts"). A text of more than `max_length × CUT_CHARS_PER_TOKEN`
 characters is tokenized from a prefix of that many characters; the prefix's tokens are kept only when they
 provably equal the whole text's: every kept token comes from a word (the tokenizer's pre-token) that ends at
 least one whole word before the cut, so the cut, which can change only the word it falls in and the one before
