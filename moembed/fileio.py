@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import logging
 import os
 import shutil
 import sys
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from moembed.errors import MoembedError
+
+log = logging.getLogger("moembed")
 
 # ---- durability primitives -----------------------------------------------------------------------------------
 
@@ -187,6 +190,23 @@ def _free_bytes(path: Path) -> int | None:
 # ---- atomic outputs ----------------------------------------------------------------------------------------------
 
 
+def make_parent(target: Path) -> None:
+    """The one rule for an output whose directory is missing, for every command: the missing directories are
+    created and one log line says so (a typo in a path then shows, and nothing fails late for want of a mkdir).
+    A path component that exists but is not a directory is an error naming it."""
+    parent = target.parent
+    if parent.is_dir():
+        return
+    top = parent
+    while not top.parent.is_dir() and top.parent != top:
+        top = top.parent
+    for p in (top, *top.parents):
+        if p.exists() and not p.is_dir():
+            raise MoembedError(f"{target}: cannot write ({p} is a file, not a directory)")
+    parent.mkdir(parents=True, exist_ok=True)
+    log.info("created directory %s (for %s)", top, target)
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `target`; on success fsync it and rename it onto `target` (then fsync the
@@ -194,7 +214,7 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """
     target = Path(target)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(target)
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:
         raise _write_error(target, e, None, True) from None
@@ -225,7 +245,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     """
     target = Path(target)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(target)
         recover_dir(target)  # a replacement interrupted by a kill (rename-aside fallback)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     except OSError as e:
@@ -263,13 +283,31 @@ def move_into_place(src: str | os.PathLike, target: str | os.PathLike) -> None:
         raise _write_error(target, e, _free_bytes(target.parent), False) from None
 
 
+def read_error(path: str | os.PathLike, e: OSError) -> MoembedError:
+    """The error for an input that cannot be opened: a directory and a missing file are named as such."""
+    path = Path(path)
+    if isinstance(e, IsADirectoryError) or path.is_dir():
+        return MoembedError(f"{path}: cannot read (is a directory, not a file)")
+    if isinstance(e, FileNotFoundError):
+        return MoembedError(f"{path}: cannot read (no such file)")
+    return MoembedError(f"{path}: cannot read ({e.strerror or e})")
+
+
+def open_input(path: str | os.PathLike):
+    """An input file opened for binary reading; a directory, a missing file or no permission is a MoembedError."""
+    try:
+        if Path(path).is_dir():
+            raise IsADirectoryError(path)
+        return open(path, "rb")
+    except OSError as e:
+        raise read_error(path, e) from None
+
+
 def read_text_lines(path: str | os.PathLike) -> list[str]:
     """All lines of a UTF-8 text file (without newlines); errors name the file and line."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise MoembedError(f"{path}: cannot read ({e.strerror or e})") from None
+    with open_input(path) as fh:
+        raw = fh.read()
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -282,29 +320,78 @@ def read_text_lines(path: str | os.PathLike) -> list[str]:
     return out
 
 
+# ---- input -------------------------------------------------------------------------------------------------------
+
+
+def surrogate_at(text: str) -> int | None:
+    """The index of the first lone surrogate (U+D800..U+DFFF) in `text`, or None. JSON can spell one ("\\ud800")
+    and Python holds it, but UTF-8 cannot encode it and tokenizers refuse it, so text is checked where it enters."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
+def unicode_problem(text: str, at: int) -> str:
+    return f"not valid Unicode (lone surrogate U+{ord(text[at]):04X} at character {at})"
+
+
+def json_surrogate(value: Any) -> str | None:
+    """What is wrong when a parsed JSON value holds a lone surrogate in any string (key or value), else None."""
+    if isinstance(value, str):
+        at = surrogate_at(value)
+        return None if at is None else unicode_problem(value, at)
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    for item in items:
+        problem = json_surrogate(item)
+        if problem is not None:
+            return problem
+    return None
+
+
+def parse_json_line(raw: bytes) -> Any:
+    """One JSONL line (bytes) → its value; ValueError with what is wrong (not UTF-8, invalid JSON, a lone
+    surrogate). Lone surrogates can only come from `\\uD8xx`-`\\uDFxx` escapes (raw ones are not UTF-8), so only lines
+    with such an escape are searched: other lines cost one substring test."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON ({e.msg})") from None
+    if b"\\ud" in raw or b"\\uD" in raw:
+        problem = json_surrogate(value)
+        if problem is not None:
+            raise ValueError(problem)
+    return value
+
+
 def iter_jsonl(path: str | os.PathLike, skip_bad: bool = False, bad: list | None = None) -> Iterator[tuple[int, Any]]:
     """Yield (line_number, parsed_value) for each non-blank line of a JSONL file, streaming.
 
-    A line that is not valid UTF-8 or JSON raises MoembedError naming file and line; with `skip_bad` it is
-    skipped and its line number appended to `bad` (when given) instead.
+    A line that is not valid UTF-8, JSON or Unicode (a lone surrogate) raises MoembedError naming file and line;
+    with `skip_bad` it is skipped and its line number appended to `bad` (when given) instead.
     """
     path = Path(path)
-    try:
-        fh = open(path, "rb")
-    except OSError as e:
-        raise MoembedError(f"{path}: cannot read ({e.strerror or e})") from None
-    with fh:
+    with open_input(path) as fh:
         for i, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
             try:
-                yield i, json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                value = parse_json_line(raw)
+            except ValueError as e:
                 if not skip_bad:
-                    what = "not valid UTF-8" if isinstance(e, UnicodeDecodeError) else f"invalid JSON ({e.msg})"
-                    raise MoembedError(f"{path}:{i}: {what}") from None
+                    raise MoembedError(f"{path}:{i}: {e}") from None
                 if bad is not None:
                     bad.append(i)
+                continue
+            yield i, value
 
 
 def json_kind(value) -> str:
@@ -342,9 +429,8 @@ def read_yaml(path: str | os.PathLike) -> Any:
     import yaml
 
     try:
-        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise MoembedError(f"{path}: cannot read ({e.strerror or e})") from None
+        with open_input(path) as fh:
+            doc = yaml.safe_load(fh.read().decode("utf-8"))
     except UnicodeDecodeError:
         raise MoembedError(f"{path}: not valid UTF-8") from None
     except yaml.YAMLError as e:

@@ -245,3 +245,42 @@ def test_scan_reads_every_record_once_without_moving_the_training_position(tmp_p
     (tmp_path / "b.jsonl").write_text('{"query": "q"}\nnot json\n')
     with pytest.raises(MoembedError, match=r"b\.jsonl:2: invalid JSON"):
         list(JsonlReader(tmp_path / "b.jsonl").scan())
+
+
+def test_a_lone_surrogate_is_a_bad_record_and_skip_bad_skips_it(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"query": "q1", "document": "d1"}\n{"query": "q\\ud800", "document": "d2"}\n'
+                 '{"query": "q3", "document": "d3"}\n', encoding="utf-8")
+    cfg = SourceConfig(path=str(p), name="s", negatives_field=None, shuffle_block=0)
+    src = PairSource(cfg, SourceStats())
+    src.next()
+    with pytest.raises(MoembedError, match=r"s\.jsonl:2: not valid Unicode \(lone surrogate U\+D800 at character 1\)"):
+        src.next()
+    stats = SourceStats()
+    src = PairSource(cfg, stats, skip_bad=True)
+    assert [src.next().query for _ in range(3)] == ["q1", "q3", "q1"]
+    assert stats.bad["s"] == 1
+
+
+def test_parquet_text_that_is_not_utf8_is_a_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "u.parquet"
+    queries = pa.array([b"a", b"b\xed\xa0\x80", b"c"], pa.binary()).view(pa.string())  # an encoded surrogate
+    pq.write_table(pa.table({"query": queries, "document": ["x", "y", "z"]}), path)
+    cfg = SourceConfig(path=str(path), format="parquet", name="u", negatives_field=None, shuffle_block=0)
+    src = PairSource(cfg, SourceStats())
+    src.next()
+    with pytest.raises(MoembedError, match=rf"{path}:row 2: not valid UTF-8"):
+        src.next()
+    stats = SourceStats()
+    src = PairSource(cfg, stats, skip_bad=True)
+    assert [src.next().query for _ in range(2)] == ["a", "c"] and stats.bad["u"] == 1
+
+
+def test_a_directory_given_as_a_jsonl_source_says_so(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(MoembedError, match=r"d: is a directory; a `datasets` save_to_disk directory is read with "
+                                           r"format: hf-disk"):
+        PairSource(SourceConfig(path=str(tmp_path / "d")), SourceStats())

@@ -293,3 +293,78 @@ def test_cli_resumes_a_partial_state(tiny_dir, tmp_path):
 
     np.testing.assert_allclose(np.load(tmp_path / "o.npy"), Embedder.load(tiny_dir).encode(texts), atol=1e-6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o.npy"]
+
+
+# ---- invalid Unicode --------------------------------------------------------------------------------------------
+
+
+def _with_surrogate(path: Path, n: int, line: int, field: str | None = None) -> Path:
+    """n texts as JSONL, line `line` holding a lone surrogate: valid JSON ("\\ud800"), not encodable Unicode."""
+    rows = [json.dumps(t if field is None else {field: t}) for t in texts_of(n, seed=7)]
+    rows[line - 1] = '"a \\ud800 b"' if field is None else '{"%s": "a \\ud800 b"}' % field
+    path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("field", [None, "body"])
+def test_a_lone_surrogate_fails_the_first_pass_naming_the_line(tiny_dir, tmp_path, field):
+    path = _with_surrogate(tmp_path / "in.jsonl", 30, 17, field)
+    args = ["--field", field] if field else []
+    r = run_cli("encode", tiny_dir, path, "--out", tmp_path / "o.npy", "--chunk-size", 4, "--device", "cpu", *args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "in.jsonl:17: not valid Unicode (lone surrogate U+D800 at character 2)" in r.stderr
+    assert sorted(tmp_path.iterdir()) == [path]  # failed before writing anything
+
+
+def test_parquet_text_that_is_not_utf8_names_the_row(tiny_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moembed.errors import MoembedError
+    from moembed.recipes.encode_corpus import encode_corpus
+
+    raw = [t.encode() for t in texts_of(9)]
+    raw[5] = b"a\xed\xa0\x80b"  # an encoded surrogate: Parquet stores it, Python cannot decode it
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"body": pa.array(raw, pa.binary()).view(pa.string())}), path)
+    with pytest.raises(MoembedError, match=r"in.parquet: row 5: column 'body' is not valid UTF-8"):
+        encode_corpus(job_of(tiny_dir, path, tmp_path / "o.npy", column="body", chunk_rows=4))
+    assert sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_state_left_by_a_run_that_met_a_bad_line_gives_a_clear_error_on_resume(tiny_dir, tmp_path, monkeypatch):
+    from moembed.errors import MoembedError
+    from moembed.recipes import corpus_input
+    from moembed.recipes.encode_corpus import encode_corpus
+    from moembed.recipes.encode_state import PartialState, partial_dir
+
+    path = _with_surrogate(tmp_path / "in.jsonl", 30, 17)
+    out = tmp_path / "o.npy"
+    # the state a run leaves when its first pass let the line through (as before lone surrogates were checked):
+    # chunks before the bad line done, then the failure
+    with monkeypatch.context() as m:
+        m.setattr(corpus_input.CorpusInput, "scan", lambda self: sum(1 for _ in self._raw_rows()))
+        with pytest.raises(MoembedError, match=r"in.jsonl:17: not valid Unicode"):
+            encode_corpus(job_of(tiny_dir, path, out, chunk_rows=4))
+    assert PartialState.open(partial_dir(out)).done() == {0, 1, 2, 3}
+    r = run_cli("encode", tiny_dir, path, "--out", out, "--chunk-size", 4, "--device", "cpu")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "in.jsonl:17: not valid Unicode" in r.stderr and "while resuming" in r.stderr
+    assert PartialState.open(partial_dir(out)).done() == {0, 1, 2, 3} and not out.exists()
+    path.write_text("".join(json.dumps(t) + "\n" for t in texts_of(30, seed=7)), encoding="utf-8")  # fixed
+    r = run_cli("encode", tiny_dir, path, "--out", out, "--chunk-size", 4, "--device", "cpu")
+    assert r.returncode == 1 and "an interrupted run with other settings (input:" in r.stderr
+    import shutil
+
+    shutil.rmtree(partial_dir(out))
+    r = run_cli("encode", tiny_dir, path, "--out", out, "--chunk-size", 4, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert np.load(out).shape == (30, 32)
+
+
+def test_a_directory_as_input_says_so(tiny_dir, tmp_path):
+    (tmp_path / "texts").mkdir()
+    r = run_cli("encode", tiny_dir, tmp_path / "texts", "--out", tmp_path / "o.npy", "--device", "cpu")
+    assert r.returncode == 1 and "texts: cannot read (is a directory, not a file)" in r.stderr
+    r = run_cli("encode", tiny_dir, tmp_path / "nope.jsonl", "--out", tmp_path / "o.npy", "--device", "cpu")
+    assert r.returncode == 1 and "nope.jsonl: cannot read (no such file)" in r.stderr

@@ -374,3 +374,46 @@ def test_read_texts_names_the_line_what_it_found_and_the_two_formats_it_reads(tm
     assert str(e.value) == (f"{path}:2: expected a JSON string, got {got}; this command reads one JSON string per "
                             "line, or plain text lines with --plain")
     assert fileio.read_texts(path, plain=True) == ['"fine"', line]  # the same file as plain lines
+
+
+# ---- hostile and careless input, missing output directories ------------------------------------------------------
+
+
+def test_a_lone_surrogate_is_a_bad_line_of_any_jsonl_reader(tmp_path):
+    path = tmp_path / "t.jsonl"
+    # valid JSON, not valid Unicode: a lone high surrogate, a lone low one in a key; a proper pair is fine
+    path.write_text('"ok"\n"a\\ud800"\n{"k\\udc00": 1}\n"\\ud83d\\ude00"\n', encoding="utf-8")
+    with pytest.raises(MoembedError, match=r"t\.jsonl:2: not valid Unicode \(lone surrogate U\+D800 at character 1\)"):
+        list(fileio.iter_jsonl(path))
+    bad: list[int] = []
+    assert list(fileio.iter_jsonl(path, skip_bad=True, bad=bad)) == [(1, "ok"), (4, "\U0001f600")]
+    assert bad == [2, 3]
+    with pytest.raises(MoembedError, match=r"t\.jsonl:2: not valid Unicode"):
+        fileio.read_texts(path)
+
+
+def test_a_directory_or_a_missing_file_as_input_is_named_as_such(tmp_path):
+    (tmp_path / "d").mkdir()
+    for read in (lambda p: list(fileio.iter_jsonl(p)), fileio.read_text_lines, fileio.read_yaml):
+        with pytest.raises(MoembedError, match=r"/d: cannot read \(is a directory, not a file\)$"):
+            read(tmp_path / "d")
+        with pytest.raises(MoembedError, match=r"/nope: cannot read \(no such file\)$"):
+            read(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("writer", ["path", "dir"])
+def test_an_output_in_a_missing_directory_is_created_and_said(tmp_path, caplog, writer):
+    target = tmp_path / "new" / "deeper" / "out"
+    with caplog.at_level("INFO", logger="moembed"):
+        with (atomic_path(target) if writer == "path" else atomic_dir(target)) as tmp:
+            (tmp / "x").write_text("x") if writer == "dir" else tmp.write_text("x")
+    assert target.exists()
+    assert f"created directory {tmp_path / 'new'} (for {target})" in caplog.messages
+    caplog.clear()
+    with caplog.at_level("INFO", logger="moembed"), atomic_path(tmp_path / "new" / "again") as tmp:
+        tmp.write_text("y")
+    assert not [m for m in caplog.messages if "created directory" in m]  # said only when created
+    (tmp_path / "file").write_text("")
+    with pytest.raises(MoembedError, match=r"file/sub/out: cannot write \(.*/file is a file, not a directory\)"):
+        with atomic_path(tmp_path / "file" / "sub" / "out") as tmp:
+            tmp.write_text("z")

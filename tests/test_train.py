@@ -273,3 +273,54 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, minilm_path, pairs_file, 
         return [{k: v for k, v in json.loads(x).items() if k not in ("time", "pairs_per_s")} for x in lines]
 
     assert records("ref") == records("killed")  # same losses, sources and learning rates at every step
+
+
+# ---- data checked before step 1 -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def late_break(tmp_path_factory):
+    """5,000 pairs whose line 4,000 is broken JSON, 4,500 holds a lone surrogate and 4,700 lacks its document."""
+    base = chatterbot_pairs()
+    lines = [json.dumps({"query": f"{q} ({i})", "document": a}) for i, (q, a) in
+             ((i, base[i % len(base)]) for i in range(5000))]
+    lines[3999] = lines[3999][:-7]
+    lines[4499] = '{"query": "q \\ud800", "document": "d"}'
+    lines[4699] = '{"query": "q"}'
+    path = tmp_path_factory.mktemp("late") / "pairs.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_a_line_broken_late_in_the_data_stops_validate_and_train_before_step_1(tmp_path, minilm_path, late_break,
+                                                                               monkeypatch, capsys):
+    from moembed.train.loop import train
+
+    args = [str(TINY / "contrastive.yaml"), *_overrides(minilm_path, tmp_path / "run", late_break)]
+    code, err = _main(["validate", *args], monkeypatch, capsys)
+    assert code == 1 and "training data: 3 malformed record(s) of 5000" in err
+    assert f"{late_break}:4000: invalid JSON" in err and f"{late_break}:4700: missing field 'document'" in err
+    assert f"{late_break}:4500: not valid Unicode (lone surrogate U+D800 at character 2)" in err
+    steps = []
+    monkeypatch.setattr("moembed.train.loop.Trainer.train_step", lambda self: steps.append(1))
+    with pytest.raises(MoembedError, match=rf"{late_break}:4000: invalid JSON"):
+        train(load_config(args[0], args[1:] + ["steps=600", "checkpoint.every=100"]), progress=False)
+    assert not steps and not (tmp_path / "run").exists()  # no step, no checkpoint, no output directory
+
+
+def test_skip_bad_counts_them_up_front_and_trains_on_the_rest(tmp_path, minilm_path, late_break, monkeypatch,
+                                                              capsys, caplog):
+    from moembed.cli.main import main
+
+    args = [str(TINY / "contrastive.yaml"), *_overrides(minilm_path, tmp_path / "run", late_break), "skip_bad=true"]
+    monkeypatch.setattr(sys, "argv", ["moembed", "validate", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code in (0, None)
+    assert "data: 5000 records in 1 source(s) checked in" in capsys.readouterr().out
+    caplog.clear()
+    code, err = _main(["train", *args, "steps=2", "--quiet"], monkeypatch, capsys)
+    assert code == 0, err
+    skipped = [m for m in caplog.messages if m.startswith("skip_bad: 3 malformed record(s) will be skipped:")]
+    assert len(skipped) == 1 and f"{late_break}:4500: not valid Unicode" in skipped[0]
+    assert (tmp_path / "run" / "model").is_dir()

@@ -215,3 +215,20 @@ def test_input_is_streamed_one_block_at_a_time(tmp_path, monkeypatch):
     prepare_user_data(_cfg(tmp_path, [f]), tmp_path / "out")
     # Two passes over 400 records in blocks of at most 32: never the whole file at once.
     assert max(blocks) == 32 and sum(blocks) == 2 * 400
+
+
+def test_every_malformed_record_is_listed_before_any_work(tmp_path):
+    from moembed.recipes.userdata import prepare_user_data
+
+    rows = [json.dumps(r) for r in _pairs(60)]
+    rows[9], rows[29], rows[49] = '{"query": "q \\ud800", "document": "d"}', '{"query": ', '{"query": "q"}'
+    f = tmp_path / "bad.jsonl"
+    f.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    with pytest.raises(MoembedError) as e:
+        prepare_user_data(_cfg(tmp_path, [f]), tmp_path / "out")
+    lines = str(e.value).splitlines()
+    assert lines[0] == "--data: 3 malformed record(s):"
+    assert lines[1].strip() == f"--data: {f}:10: not valid Unicode (lone surrogate U+D800 at character 2)"
+    assert lines[2].strip().startswith(f"--data: {f}:30: invalid JSON")
+    assert lines[3].strip().startswith(f"--data: {f}:50: missing field 'document'")
+    assert not (tmp_path / "out").exists()

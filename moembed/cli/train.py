@@ -37,14 +37,17 @@ def register(app: typer.Typer) -> None:
         config: str = typer.Argument(..., help="YAML training config"),
         overrides: list[str] = typer.Argument(None, help="dotted key=value overrides"),
     ) -> None:
-        """Check a training config (keys, types, paths) without training; errors name the key."""
-        from moembed.train.build import check_paths
+        """Check a training config (keys, types, paths) and every record of its data without training; errors name
+        the key, or the file and line (all malformed records, up to 20 listed)."""
+        from moembed.train.build import check_paths, check_training_data
         from moembed.train.config import load_config
 
         cfg = load_config(config, overrides or [])
         check_paths(cfg)
+        data = check_training_data(cfg)
         sources = ", ".join(s.label for s in cfg.data)
-        typer.echo(f"{config}: ok (stage {cfg.stage}, {cfg.steps} steps, batch {cfg.batch_size}, sources: {sources})")
+        typer.echo(f"{config}: ok (stage {cfg.stage}, {cfg.steps} steps, batch {cfg.batch_size}, sources: {sources}; "
+                   f"data: {data.summary()})")
 
 
 def _launch(config: str, overrides: list[str], fresh: bool, quiet: bool, nproc: int, batch_size: int) -> None:

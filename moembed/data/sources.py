@@ -7,9 +7,11 @@ by topic do not give batches of near-duplicates; the state holds the block's sta
 `PairSource` turns records into `Example(query, document, negatives)` with the source's field names and
 prefixes; `TextSource` yields raw text for MLM.
 
-Bad input: a record that is not an object, lacks a field, or has a field of the wrong type stops the run with
-`file:line` (Parquet: `file:row N`); with `skip_bad` it is counted in `stats.bad` instead. A record whose query
-or document is empty (after stripping whitespace) is dropped and counted in `stats.empty`.
+Bad input: a record that is not valid UTF-8, JSON or Unicode (a lone surrogate such as "\\ud800"), is not an
+object, lacks a field, or has a field of the wrong type stops the run with `file:line` (Parquet: `file:row N`);
+with `skip_bad` it is counted in `stats.bad` instead. A record whose query or document is empty (after stripping
+whitespace) is dropped and counted in `stats.empty`. `moembed.data.check` finds all of these in every file
+before training starts.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import bisect
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moembed.errors import MoembedError
 from moembed.data.config import SourceConfig
+from moembed.errors import MoembedError
+from moembed.data.arrow_text import INVALID_UTF8, rows_or_invalid
+from moembed.fileio import open_input, parse_json_line
 
 
 @dataclass
@@ -49,8 +53,8 @@ class SourceStats:
         return {k: dict(getattr(self, k)) for k in ("read", "empty", "bad", "no_negatives")}
 
 
-class _BadRecord(Exception):
-    pass
+class BadRecord(Exception):
+    """A record that cannot be used; its message names the location and what is wrong."""
 
 
 # ---- raw readers: (location, value) in seeded blocks, with a small resumable position ----------------------------
@@ -121,7 +125,7 @@ class _BlockReader:
             self._order = list(range(len(items)))
 
     def next(self) -> tuple[str, Any]:
-        """(location, value) of the next record; a record that cannot be decoded raises _BadRecord (after the
+        """(location, value) of the next record; a record that cannot be decoded raises BadRecord (after the
         position has moved past it, so `skip_bad` continues with the next one)."""
         if self._items is None:
             self._load_block()
@@ -132,10 +136,10 @@ class _BlockReader:
         self.pos += 1
         return where, self._decode(where, raw)
 
-    def scan(self) -> Iterator[tuple[str, Any]]:
+    def scan(self, bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, Any]]:
         """Every record once, in file order, one block in memory at a time: (location, value). For passes over
-        a whole file (counting, splitting); does not move the training position. A record that cannot be
-        decoded raises MoembedError naming its location."""
+        a whole file (checking, counting, splitting); does not move the training position. A record that cannot
+        be decoded raises MoembedError naming its location, or with `bad` is passed to it (the message) instead."""
         start = self._origin
         while True:
             items, start = self._read_block(start)
@@ -144,8 +148,10 @@ class _BlockReader:
             for where, raw in items:
                 try:
                     yield where, self._decode(where, raw)
-                except _BadRecord as e:
-                    raise MoembedError(str(e)) from None
+                except BadRecord as e:
+                    if bad is None:
+                        raise MoembedError(str(e)) from None
+                    bad(str(e))
 
     def field_names(self) -> list[str] | None:
         """The fields every record has (a table's columns), or None when records may differ (JSONL)."""
@@ -180,13 +186,13 @@ class JsonlReader(_BlockReader):
         self._fh = None
 
     def count(self) -> int:
-        with open(self.path, "rb") as fh:
+        with open_input(self.path) as fh:
             return sum(1 for raw in fh if raw.strip())
 
     def _read_block(self, start: tuple[int, int]) -> tuple[list[tuple[str, bytes]], tuple[int, int]]:
         offset, line = start
         if self._fh is None:
-            self._fh = open(self.path, "rb")
+            self._fh = open_input(self.path)
         self._fh.seek(offset)
         items = []
         while len(items) < self.block_size:
@@ -200,11 +206,9 @@ class JsonlReader(_BlockReader):
 
     def _decode(self, where: str, raw: bytes) -> Any:
         try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise _BadRecord(f"{where}: not valid UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise _BadRecord(f"{where}: invalid JSON ({e.msg})") from None
+            return parse_json_line(raw)  # not UTF-8, not JSON, or a lone surrogate the tokenizer would refuse
+        except ValueError as e:
+            raise BadRecord(f"{where}: {e}") from None
 
     def _start_state(self) -> dict:
         return {"offset": self.start[0], "line": self.start[1]}
@@ -251,9 +255,18 @@ class ParquetReader(_BlockReader):
         g = bisect.bisect_right(self._starts, start) - 1
         while start + len(rows) < end:  # the block may span row groups
             lo = start + len(rows) - self._starts[g]
-            rows.extend(self._table(g).slice(lo, end - start - len(rows)).to_pylist())
+            part = self._table(g).slice(lo, end - start - len(rows))
+            try:
+                rows.extend(part.to_pylist())
+            except UnicodeDecodeError:  # Parquet does not enforce UTF-8: find the rows, refuse them one by one
+                rows.extend(rows_or_invalid(part))
             g += 1
         return [(f"{self.path}:row {start + i + 1}", r) for i, r in enumerate(rows)], end
+
+    def _decode(self, where: str, raw: Any) -> Any:
+        if raw is INVALID_UTF8:
+            raise BadRecord(f"{where}: not valid UTF-8")
+        return raw
 
     def _start_state(self) -> dict:
         g = min(bisect.bisect_right(self._starts, self.start) - 1, max(self.file.num_row_groups - 1, 0))
@@ -296,7 +309,10 @@ class HFDiskReader(_BlockReader):
         return [(f"{self.path}:row {i + 1}", i) for i in range(start, end)], end
 
     def _decode(self, where: str, raw: int) -> Any:
-        return self.ds[raw]
+        try:
+            return self.ds[raw]
+        except UnicodeDecodeError:  # Arrow strings are not checked for UTF-8 on write
+            raise BadRecord(f"{where}: not valid UTF-8") from None
 
     def _start_state(self) -> dict:
         return {"index": self.start}
@@ -310,6 +326,10 @@ def open_reader(cfg: SourceConfig, columns: list[str], seed: int = 0) -> _BlockR
     path = Path(cfg.path)
     if not path.exists():
         raise MoembedError(f"{path}: no such file or directory (data source {cfg.label!r})")
+    if path.is_dir() != (cfg.format == "hf-disk"):
+        what = "a directory; a `datasets` save_to_disk directory is read with format: hf-disk" if path.is_dir() \
+            else f"not a directory; format {cfg.format} reads a `datasets` save_to_disk directory"
+        raise MoembedError(f"{path}: is {what} (data source {cfg.label!r})")
     block = (cfg.shuffle_block, seed, cfg.label)
     if cfg.format == "jsonl":
         return JsonlReader(path, *block)
@@ -324,11 +344,11 @@ def open_reader(cfg: SourceConfig, columns: list[str], seed: int = 0) -> _BlockR
 def _text(record: dict, key: str, where: str, required: bool = True) -> str | None:
     if key not in record or record[key] is None:
         if required:
-            raise _BadRecord(f"{where}: missing field {key!r}")
+            raise BadRecord(f"{where}: missing field {key!r}")
         return None
     value = record[key]
     if not isinstance(value, str):
-        raise _BadRecord(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+        raise BadRecord(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
     return value
 
 
@@ -341,7 +361,10 @@ class _Source:
         if self.size == 0:
             raise MoembedError(f"{cfg.path}: no records (data source {self.name!r})")
 
-    def _parse(self, value: Any, where: str):
+    @staticmethod
+    def parse(cfg: SourceConfig, value: Any, where: str):
+        """The item of one decoded record; None when it is empty; BadRecord when it is malformed. Static, so that
+        a whole file can be checked before training without opening it as a source (moembed.data.check)."""
         raise NotImplementedError
 
     def next(self):
@@ -349,8 +372,8 @@ class _Source:
         for _ in range(10 * self.size + 10):
             try:
                 where, value = self.reader.next()
-                item = self._parse(value, where)
-            except _BadRecord as e:
+                item = self.parse(self.cfg, value, where)
+            except BadRecord as e:
                 if not self.skip_bad:
                     raise MoembedError(str(e)) from None
                 self.stats.bad[self.name] += 1
@@ -377,19 +400,22 @@ class PairSource(_Source):
     """Records → Example(prefix + query, prefix + document, [prefix + negative, ...])."""
 
     def __init__(self, cfg: SourceConfig, stats: SourceStats, skip_bad: bool = False, seed: int = 0):
-        cols = [cfg.query_field, cfg.document_field] + ([cfg.negatives_field] if cfg.negatives_field else [])
-        super().__init__(cfg, stats, skip_bad, cols, seed)
+        super().__init__(cfg, stats, skip_bad, self.columns(cfg), seed)
 
-    def _parse(self, value: Any, where: str) -> Example | None:
-        c = self.cfg
+    @staticmethod
+    def columns(cfg: SourceConfig) -> list[str]:
+        return [cfg.query_field, cfg.document_field] + ([cfg.negatives_field] if cfg.negatives_field else [])
+
+    @staticmethod
+    def parse(c: SourceConfig, value: Any, where: str) -> Example | None:
         if not isinstance(value, dict):
-            raise _BadRecord(f"{where}: expected an object, got {type(value).__name__}")
+            raise BadRecord(f"{where}: expected an object, got {type(value).__name__}")
         q, d = _text(value, c.query_field, where), _text(value, c.document_field, where)
         negs: list[str] = []
         if c.negatives_field and value.get(c.negatives_field) is not None:
             raw = value[c.negatives_field]
             if not isinstance(raw, list) or not all(isinstance(n, str) for n in raw):
-                raise _BadRecord(f"{where}: field {c.negatives_field!r} must be a list of strings")
+                raise BadRecord(f"{where}: field {c.negatives_field!r} must be a list of strings")
             negs = [c.document_prefix + n for n in raw if n.strip()]
         if not q.strip() or not d.strip():
             return None
@@ -400,13 +426,18 @@ class TextSource(_Source):
     """Raw text for MLM: a record's `text_field`, or the record itself when it is a JSON string."""
 
     def __init__(self, cfg: SourceConfig, stats: SourceStats, skip_bad: bool = False, seed: int = 0):
-        super().__init__(cfg, stats, skip_bad, [cfg.text_field], seed)
+        super().__init__(cfg, stats, skip_bad, self.columns(cfg), seed)
 
-    def _parse(self, value: Any, where: str) -> str | None:
+    @staticmethod
+    def columns(cfg: SourceConfig) -> list[str]:
+        return [cfg.text_field]
+
+    @staticmethod
+    def parse(c: SourceConfig, value: Any, where: str) -> str | None:
         if isinstance(value, str):
             text = value
         elif isinstance(value, dict):
-            text = _text(value, self.cfg.text_field, where)
+            text = _text(value, c.text_field, where)
         else:
-            raise _BadRecord(f"{where}: expected a string or an object, got {type(value).__name__}")
+            raise BadRecord(f"{where}: expected a string or an object, got {type(value).__name__}")
         return text if text.strip() else None

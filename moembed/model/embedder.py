@@ -172,11 +172,12 @@ class Embedder(nn.Module):
 
     def token_ids(self, texts: list[str], prefix: str = "") -> tuple[list[list[int]], int]:
         """Token ids of `prefix + text` per text (special tokens included, truncated to `max_length`) and the
-        number of texts that were truncated."""
+        number of texts that were truncated. A long text is cut before tokenization, exactly: it costs what the
+        model reads, not its length (`moembed.model.tokenizer`); a lone surrogate names its text."""
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise MoembedError(f"texts[{i}]: expected a string, got {type(t).__name__}")
-        return self.tokenizer.encode_ids([prefix + t for t in texts])
+        return self.tokenizer.encode_ids(texts, prefix)
 
     @torch.inference_mode()
     def embed_ids(self, ids: list[list[int]]) -> torch.Tensor:

@@ -1,4 +1,16 @@
-"""A thin wrapper over a `tokenizers.Tokenizer`: batch encoding with truncation counting and right padding."""
+"""A thin wrapper over a `tokenizers.Tokenizer`: batch encoding with truncation counting and right padding.
+
+A text longer than the model can read is cut before the tokenizer sees it, exactly. The tokenizer normalises and
+pre-tokenizes the whole string it is given before truncating, so without a cut a text of megabytes costs seconds
+and gigabytes to keep 256 tokens (BENCHMARKS.md, "Long texts"). A text of more than `max_length × CUT_CHARS_PER_TOKEN`
+characters is tokenized from a prefix of that many characters; the prefix's tokens are kept only when they
+provably equal the whole text's: every kept token comes from a word (the tokenizer's pre-token) that ends at
+least one whole word before the cut, so the cut, which can change only the word it falls in and the one before
+it (a whitespace piece of a byte-level pre-tokenizer), changed none of them. Otherwise the prefix grows fourfold
+and is tokenized again, up to the whole text. Embeddings are therefore bit-identical to tokenizing the whole
+text. A text whose first kept tokens come from one word longer than the cut (a long run without spaces under a
+SentencePiece tokenizer, a 10 MB "word") is still read whole: exactness comes first.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +22,12 @@ import torch
 from tokenizers import Tokenizer
 
 from moembed.errors import MoembedError
+from moembed.fileio import surrogate_at, unicode_problem
+
+# Characters per token of the first cut: English averages about 4.5 characters per WordPiece token, code and
+# numbers fewer; 16 leaves room for runs of spaces and long words, and a cut too short costs one retry.
+CUT_CHARS_PER_TOKEN = 16
+_GROWTH = 4  # a cut that is not provably exact grows fourfold: at most a third more work than the whole text
 
 
 @dataclass
@@ -63,10 +81,29 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode_ids(self, texts: list[str]) -> tuple[list[list[int]], int]:
-        """Token ids per text (with special tokens, truncated) and the number of truncated texts."""
-        encs = self.tokenizer.encode_batch(texts)
+    def encode_ids(self, texts: list[str], prefix: str = "") -> tuple[list[list[int]], int]:
+        """Token ids of `prefix + text` per text (with special tokens, truncated) and the number of truncated
+        texts. Long texts are cut first, exactly (module docstring)."""
+        limit = self.max_length * CUT_CHARS_PER_TOKEN
+        try:
+            encs = self.tokenizer.encode_batch([prefix + (t if len(t) <= limit else t[:limit]) for t in texts])
+        except Exception:
+            check_unicode(texts, prefix)  # a lone surrogate: say which text; anything else propagates
+            raise
+        for i, t in enumerate(texts):
+            if len(t) > limit:
+                encs[i] = self._encode_long(prefix, t, limit, encs[i])
         return [e.ids for e in encs], sum(1 for e in encs if e.overflowing)
+
+    def _encode_long(self, prefix: str, text: str, cut: int, enc):
+        """The encoding of `prefix + text` from `enc`, that of `prefix + text[:cut]`, grown until exact."""
+        while not _exact_cut(enc):
+            # past a quarter of the text, the whole: the cuts tried before sum to less than a third of it
+            cut = len(text) if _GROWTH * _GROWTH * cut > len(text) else _GROWTH * cut
+            enc = self.tokenizer.encode(prefix + text[:cut])
+            if cut == len(text):
+                break
+        return enc
 
     def pad(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad id lists → input_ids (B, T), attention_mask (B, T) bool.
@@ -90,3 +127,25 @@ class TextTokenizer:
 
     def save(self, path: Path) -> None:
         self.tokenizer.save(str(path / "tokenizer.json"))
+
+
+def _exact_cut(enc) -> bool:
+    """Whether the kept tokens of a cut text's encoding are those of the whole text: it overflowed, and its last
+    kept token belongs to a word at least two words before the last word of the cut text (word ids are those of
+    the tokenizer's pre-tokens; a tokenizer without them gives None or one word, and never passes)."""
+    if not enc.overflowing:
+        return False
+    kept = [w for w in enc.word_ids if w is not None]
+    tail = [w for w in enc.overflowing[-1].word_ids if w is not None]
+    return bool(kept and tail) and kept[-1] < tail[-1] - 1
+
+
+
+def check_unicode(texts: list[str], prefix: str = "") -> None:
+    """Raise MoembedError naming the first text that is not valid Unicode (a lone surrogate such as "\\ud800",
+    which JSON can spell but UTF-8 cannot encode and the tokenizer refuses with a bare TypeError)."""
+    for i, t in enumerate([prefix, *texts]):
+        at = surrogate_at(t) if isinstance(t, str) else None
+        if at is not None:
+            what = "prompt prefix" if i == 0 else f"texts[{i - 1}]"
+            raise MoembedError(f"{what}: {unicode_problem(t, at)}")

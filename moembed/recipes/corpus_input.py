@@ -17,14 +17,14 @@ wanted (done before an interruption, or another rank's) are read but not decoded
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from moembed.data.arrow_text import invalid_utf8_row
 from moembed.errors import MoembedError
-from moembed.fileio import json_kind
+from moembed.fileio import json_kind, open_input, parse_json_line
 
 FORMATS = ("auto", "jsonl", "text", "parquet")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -58,8 +58,7 @@ class CorpusInput:
             raise MoembedError(f"--column: {path} is Parquet; name the column that holds the texts")
         if column is not None and format != "parquet":
             raise MoembedError(f"--column: only for Parquet input; {path} is read as {format}")
-        if not path.is_file():
-            raise MoembedError(f"{path}: cannot read (no such file)")
+        open_input(path).close()  # a missing file, a directory or no permission: said now, in those words
         return cls(path, format, field, column)
 
     def describe(self) -> dict:
@@ -108,11 +107,7 @@ class CorpusInput:
 
     def _raw_rows(self) -> Iterator[tuple[int, bytes]]:
         """(line number, raw bytes without the newline) per row; JSONL skips blank lines."""
-        try:
-            fh = open(self.path, "rb")
-        except OSError as e:
-            raise MoembedError(f"{self.path}: cannot read ({e.strerror or e})") from None
-        with fh:
+        with open_input(self.path) as fh:
             for line_no, raw in enumerate(fh, 1):
                 raw = raw[:-1] if raw.endswith(b"\n") else raw
                 if self.format == "jsonl" and not raw.strip():
@@ -121,16 +116,15 @@ class CorpusInput:
 
     def _decode(self, line_no: int, raw: bytes) -> str:
         where = f"{self.path}:{line_no}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise MoembedError(f"{where}: not valid UTF-8") from None
         if self.format == "text":
-            return line.rstrip("\r")
+            try:  # strict UTF-8 refuses encoded surrogates too: a decoded line is valid Unicode
+                return raw.decode("utf-8").rstrip("\r")
+            except UnicodeDecodeError:
+                raise MoembedError(f"{where}: not valid UTF-8") from None
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise MoembedError(f"{where}: invalid JSON ({e.msg})") from None
+            value = parse_json_line(raw)  # not UTF-8, not JSON, or a lone surrogate ("\\ud800") the tokenizer refuses
+        except ValueError as e:
+            raise MoembedError(f"{where}: {e}") from None
         if self.field is None:
             if not isinstance(value, str):  # records (the usual JSONL) are read with a field: say so
                 hint = "; name the key of the text with --field KEY" if isinstance(value, dict) else ""
@@ -173,6 +167,9 @@ class CorpusInput:
             if col.null_count:
                 first = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
                 raise MoembedError(f"{self.path}: row {start + first}: column {self.column!r} is null")
+            bad = invalid_utf8_row(col)
+            if bad is not None:
+                raise MoembedError(f"{self.path}: row {start + bad}: column {self.column!r} is not valid UTF-8")
             start += len(col)
         return pf.metadata.num_rows
 
@@ -193,3 +190,4 @@ class CorpusInput:
                     i, pending, have = i + 1, [], 0
         if have and wanted(i):
             yield i, pa.concat_arrays(pending).to_pylist()
+

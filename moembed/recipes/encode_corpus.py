@@ -149,12 +149,18 @@ def identity(job: EncodeJob, emb) -> dict:
 
 def prepare(job: EncodeJob, emb) -> PartialState:
     """The partial state of the job: the existing one when it matches (its int8 calibration is put on `emb`), or a
-    new one after a scan of the input (row count, every row checked). Raises when a state with other settings
-    exists, and on empty or bad input before anything is written."""
+    new one after a scan of the input (row count, every row checked: UTF-8, JSON, field, type, and Unicode the
+    tokenizer takes). Raises when a state with other settings exists, and on empty or bad input before anything is
+    written (when resuming, before any chunk is embedded)."""
     root, ident = partial_dir(job.out), identity(job, emb)
     state = PartialState.open(root)
     if state is not None:
         state.check(ident)
+        try:  # the same input, scanned again: a bad row fails now, not in the middle of the remaining chunks
+            job.input.scan()
+        except MoembedError as e:
+            raise MoembedError(f"{e} (while resuming {root}: the input cannot be embedded as it is; fix it and "
+                               f"delete {root} to start over)") from None
         _use_calibration(emb, state)
         done = len(state.done())
         if done:

@@ -9,9 +9,10 @@ source (else the file's stem), with its language appended when given — is its 
 (nomic-embed-v1 §4.2.2, arctic-embed-2 App. C).
 
 Two passes over the files:
-    1. check and count: every record is validated (a missing field names file, line and the fields found),
-       exact duplicate (query, document) pairs are counted; a file with fewer distinct usable pairs than one
-       training batch is refused here, before any model work;
+    1. check and count: every record is validated (not UTF-8, JSON or Unicode, a missing field: named by file,
+       line and the fields found; all of them, the first 20 listed), exact duplicate (query, document) pairs
+       are counted; a file with fewer distinct usable pairs than one training batch is refused here, before any
+       model work;
     2. write: each document goes to test, dev or train by a seeded hash of its text, so every pair of one
        document lands in the same split and no document is shared across splits (as moembed.data.splits does
        for the built-in corpora, but without holding the corpus in memory). Training pairs go to
@@ -29,10 +30,11 @@ import heapq
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moembed.data.check import MAX_LISTED, listing
 from moembed.data.readers import Pair
 from moembed.data.sources import HFDiskReader, JsonlReader, ParquetReader
 from moembed.data.splits import write_beir
@@ -77,10 +79,12 @@ def _name(text: str) -> str:
     return re.sub(r"[^\w.-]+", "_", text.strip()).strip("._") or "source"
 
 
-def iter_records(path: Path, fields) -> Iterator[tuple[str, Record | None]]:
+def iter_records(path: Path, fields, bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, Record | None]]:
     """(location, record) for each record of one input; None for a record with an empty query or document.
 
-    A missing or mistyped field raises MoembedError naming the location and the fields the record has."""
+    A record that cannot be decoded (not UTF-8, not JSON, a lone surrogate) or has a missing or mistyped field
+    raises MoembedError naming the location and the fields the record has; with `bad`, the message is passed to
+    it and the record skipped (the first pass collects them all)."""
     f = fields
     reader = open_file(path, [f.query, f.document, f.negatives, f.source, f.language])
     columns = reader.field_names()
@@ -89,27 +93,35 @@ def iter_records(path: Path, fields) -> Iterator[tuple[str, Record | None]]:
         if missing:
             raise MoembedError(f"--data: {path}: no field {', '.join(map(repr, missing))}; fields found: "
                                f"{', '.join(columns)} (name them with --fields query=...,document=...)")
-    for where, row in reader.scan():
-        if not isinstance(row, dict):
-            raise MoembedError(f"--data: {where}: expected an object with fields {f.query!r} and {f.document!r}, "
-                               f"got {type(row).__name__}")
-        for key in (f.query, f.document):
-            if row.get(key) is None:
-                raise MoembedError(f"--data: {where}: missing field {key!r}; fields found: {', '.join(row) or 'none'} "
-                                   "(name them with --fields query=...,document=...)")
-            if not isinstance(row[key], str):
-                raise MoembedError(f"--data: {where}: field {key!r} must be a string, got {type(row[key]).__name__}")
-        negs = row.get(f.negatives)
-        if negs is not None and (not isinstance(negs, list) or not all(isinstance(n, str) for n in negs)):
-            raise MoembedError(f"--data: {where}: field {f.negatives!r} must be a list of strings")
-        q, d = " ".join(row[f.query].split()), " ".join(row[f.document].split())
-        if not q or not d:
-            yield where, None
-            continue
-        source = str(row.get(f.source) or path.stem)
-        if row.get(f.language):
-            source += f".{row[f.language]}"
-        yield where, Record(q, d, [n for n in negs or [] if n.strip()], _name(source))
+    for where, row in reader.scan(None if bad is None else lambda e: bad(f"--data: {e}")):
+        try:
+            yield where, _record(path, fields, where, row)
+        except MoembedError as e:
+            if bad is None:
+                raise
+            bad(str(e))
+
+
+def _record(path: Path, f, where: str, row) -> Record | None:
+    if not isinstance(row, dict):
+        raise MoembedError(f"--data: {where}: expected an object with fields {f.query!r} and {f.document!r}, "
+                           f"got {type(row).__name__}")
+    for key in (f.query, f.document):
+        if row.get(key) is None:
+            raise MoembedError(f"--data: {where}: missing field {key!r}; fields found: {', '.join(row) or 'none'} "
+                               "(name them with --fields query=...,document=...)")
+        if not isinstance(row[key], str):
+            raise MoembedError(f"--data: {where}: field {key!r} must be a string, got {type(row[key]).__name__}")
+    negs = row.get(f.negatives)
+    if negs is not None and (not isinstance(negs, list) or not all(isinstance(n, str) for n in negs)):
+        raise MoembedError(f"--data: {where}: field {f.negatives!r} must be a list of strings")
+    q, d = " ".join(row[f.query].split()), " ".join(row[f.document].split())
+    if not q or not d:
+        return None
+    source = str(row.get(f.source) or path.stem)
+    if row.get(f.language):
+        source += f".{row[f.language]}"
+    return Record(q, d, [n for n in negs or [] if n.strip()], _name(source))
 
 
 def _hash(seed: int, *texts: str) -> int:
@@ -128,9 +140,18 @@ def _scan(files: list[Path], fields, seed: int, min_pairs: int) -> tuple[dict[st
     counts: dict[str, FileCounts] = {}
     seen: set[int] = set()
     docs: set[int] = set()
+    errors: list[str] = []
+    total_bad = 0
+
+    def bad(message: str) -> None:
+        nonlocal total_bad
+        total_bad += 1
+        if len(errors) < MAX_LISTED:
+            errors.append(message)
+
     for path in files:
         c = counts[str(path)] = FileCounts()
-        for _, rec in iter_records(path, fields):
+        for _, rec in iter_records(path, fields, bad):
             c.read += 1
             if rec is None:
                 c.empty += 1
@@ -143,6 +164,10 @@ def _scan(files: list[Path], fields, seed: int, min_pairs: int) -> tuple[dict[st
             docs.add(_hash(seed, rec.document))
             c.usable += 1
             c.sources[rec.source] += 1
+    if total_bad:  # every file read: all the malformed records at once, before any model work
+        raise MoembedError(f"--data: {total_bad} malformed record(s):{listing(errors, total_bad)}")
+    for path in files:
+        c = counts[str(path)]
         if c.usable < min_pairs:
             raise MoembedError(f"--data: {path}: {c.usable} usable pairs ({c.read} records, {c.empty} empty, "
                                f"{c.duplicate} duplicates); at least one batch ({min_pairs}) is needed")

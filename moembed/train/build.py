@@ -8,6 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from moembed.data.batching import PairBatchStream
+from moembed.data.check import DataCheck, check_data
 from moembed.data.sources import PairSource, SourceStats, TextSource
 from moembed.errors import MoembedError, config_error
 from moembed.model.config import EncoderConfig
@@ -37,6 +38,12 @@ def check_paths(cfg: TrainConfig) -> None:
             raise MoembedError(f"eval.tasks.{i}: {t}: not a task directory")
 
 
+def check_training_data(cfg: TrainConfig) -> DataCheck:
+    """Read every record of every data source before step 1 (moembed.data.check): malformed records raise, all
+    of them listed up to a cap, unless `skip_bad` (then counted and skipped)."""
+    return check_data(cfg.data, text=cfg.stage == "mlm", skip_bad=cfg.skip_bad)
+
+
 def preset_config(cfg: TrainConfig, tok: TextTokenizer) -> EncoderConfig:
     """The preset's EncoderConfig with the tokenizer's vocabulary and `model_config_overrides` applied."""
     try:
@@ -58,6 +65,7 @@ def build_model(cfg: TrainConfig) -> Embedder:
 
 def build_pair_stream(cfg: TrainConfig, stats: SourceStats, rank: int = 0, world: int = 1) -> PairBatchStream:
     # Every rank passes the same seed, so all ranks read records in the same order and draw the same global batch.
+    check_training_data(cfg)  # every record, before the first step and the first checkpoint
     sources = [PairSource(s, stats, cfg.skip_bad, cfg.seed) for s in cfg.data]
     try:
         return PairBatchStream(sources, cfg.batch_size, cfg.loss.num_hard_negatives, cfg.sampler.temperature,
@@ -69,6 +77,7 @@ def build_pair_stream(cfg: TrainConfig, stats: SourceStats, rank: int = 0, world
 def build_text_stream(cfg: TrainConfig, tok: TextTokenizer, stats: SourceStats, rank: int = 0, world: int = 1):
     from moembed.train.mlm import PackedTextStream
 
+    check_training_data(cfg)  # every record, before the first step and the first checkpoint
     sources = [TextSource(s, stats, cfg.skip_bad, cfg.seed) for s in cfg.data]  # same seed on every rank
     try:
         return PackedTextStream(sources, tok, cfg.batch_size, cfg.mlm.seq_len, cfg.mlm.lang_alpha, cfg.seed, stats,
