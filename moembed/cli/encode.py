@@ -39,6 +39,7 @@ def encode(
     dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
     calibration: Path = typer.Option(None, help="texts (same format as the input) whose embeddings set int8 ranges"),
     nproc: int = typer.Option(None, help="split the work over N processes (torchrun; one GPU each with --device cuda)"),
+    pooling: str = typer.Option(None, help="mean | cls | last | max | mean_sqrt_len | weightedmean (default: the model's; a bare checkpoint pools by mean)"),
 ) -> None:
     """Embed texts: one row per input text, float32 unless another precision is asked.
 
@@ -64,7 +65,7 @@ def encode(
     cal = CorpusInput.open(calibration, inp.format, field, column) if calibration is not None else None
     job = EncodeJob(model=model, input=inp, out=output, prompt=prompt, dim=dim, precision=precision, dtype=dtype,
                     max_length=max_length, chunk_rows=chunk_size, batch_size=batch_size, device=device,
-                    calibration=cal)
+                    calibration=cal, pooling=pooling)
     if nproc is None or nproc == 1:
         rows, width, out_dtype = encode_corpus(job, show_progress=True)
     else:
@@ -92,7 +93,8 @@ def _worker_argv(model: str, src: Path, job, calibration: Path | None) -> list[s
             "--dtype", job.dtype, "--batch-size", str(job.batch_size), "--chunk-size", str(job.chunk_rows),
             "--device", job.device]
     for flag, value in (("--field", job.input.field), ("--column", job.input.column), ("--prompt", job.prompt),
-                        ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration)):
+                        ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration),
+                        ("--pooling", job.pooling)):
         if value is not None:
             argv += [flag, str(value)]
     return argv

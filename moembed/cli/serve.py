@@ -26,6 +26,7 @@ def serve(
     api_key: str = typer.Option(None, envvar="MOEMBED_API_KEY", show_envvar=True,
                                 help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
     graceful_timeout: float = typer.Option(30.0, help="seconds to finish requests in flight after SIGTERM"),
+    pooling: str = typer.Option(None, help="mean | cls | last | max | mean_sqrt_len | weightedmean (default: the model's; a bare checkpoint pools by mean)"),
 ) -> None:
     """Serve a model over HTTP: POST /v1/embeddings (OpenAI's shape), /v1/models, /health, /metrics."""
     from moembed.serve.config import ServeConfig
@@ -36,5 +37,6 @@ def serve(
         max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
         max_concurrent_requests=max_concurrent_requests, max_client_batch=max_client_batch,
         auto_truncate=auto_truncate, api_key=api_key, graceful_timeout=graceful_timeout,
+        pooling=pooling,
     )
     run(config)
