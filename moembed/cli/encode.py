@@ -39,7 +39,7 @@ def encode(
     dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
     calibration: Path = typer.Option(None, help="texts (same format as the input) whose embeddings set int8 ranges"),
     nproc: int = typer.Option(None, help="split the work over N processes (torchrun; one GPU each with --device cuda)"),
-    pooling: str = typer.Option(None, help="mean | cls | last | max | mean_sqrt_len | weightedmean (default: the model's; a bare checkpoint pools by mean)"),
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Embed texts: one row per input text, float32 unless another precision is asked.
 

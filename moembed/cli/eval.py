@@ -74,7 +74,7 @@ def eval_cmd(
     name: str = typer.Option(None, help="model name in the results (default: the model's own)"),
     device: str = typer.Option("auto", help="cpu | cuda | cuda:N | mps | auto (the accelerator when there is one)"),
     dtype: str = typer.Option("float32", help="compute precision: float32 | bf16 (autocast) | int8 (dynamic, CPU)"),
-    pooling: str = typer.Option(None, help="mean | cls | last | max | mean_sqrt_len | weightedmean (default: the model's; a bare checkpoint pools by mean)"),
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm

@@ -34,7 +34,7 @@ def info(
     model: str = typer.Argument(..., help="model directory"),
     probe: Path = typer.Option(None, "--probe", help="texts (one JSON string per line) to measure MoE expert load on"),
     plain: bool = typer.Option(False, "--plain", help="read --probe as plain text lines"),
-    pooling: str = typer.Option(None, help="mean | cls | last | max | mean_sqrt_len | weightedmean (default: the model's; a bare checkpoint pools by mean)"),
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Architecture, parameter counts, dimensions, prefixes and maximum length of a model."""
     from moembed.model.embedder import Embedder

@@ -26,7 +26,7 @@ def serve(
     api_key: str = typer.Option(None, envvar="MOEMBED_API_KEY", show_envvar=True,
                                 help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
     graceful_timeout: float = typer.Option(30.0, help="seconds to finish requests in flight after SIGTERM"),
-    pooling: str = typer.Option(None, help="mean | cls | last | max | mean_sqrt_len | weightedmean (default: the model's; a bare checkpoint pools by mean)"),
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Serve a model over HTTP: POST /v1/embeddings (OpenAI's shape), /v1/models, /health, /metrics."""
     from moembed.serve.config import ServeConfig

@@ -17,9 +17,10 @@ optionally Normalize) and the configs of those modules:
 A directory without modules.json (a bare Hugging Face checkpoint) is pooled as sentence-transformers builds it for
 an encoder: mean pooling over all tokens, no normalisation, no prompts (`BARE`).
 
-Written (`write_st_modules`): the 6.x keys (`pooling_mode`, `include_prompt`) together with the 2.x–5.x ones
-(`word_embedding_dimension` and the booleans), which 6.x reads silently and older versions read as before, under
-the module names `sentence_transformers.models.*` that every version resolves.
+Written (`write_st_modules`): `word_embedding_dimension`, `include_prompt` and the booleans, which 6.x reads silently
+(as `embedding_dimension` and one `pooling_mode`), plus the `pooling_mode` string, which 3.x–5.x also take (it
+overrides their booleans) except "mean_sqrt_len_tokens", their assertion refuses: that mode is written as its boolean
+only. The module names are `sentence_transformers.models.*`, which every version resolves.
 """
 
 from __future__ import annotations
@@ -192,10 +193,11 @@ def write_st_modules(out: Path, first_type: str, *, hidden_size: int, pooling: s
     (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     mode = MOEMBED_TO_ST[pooling]
     (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": hidden_size, "pooling_mode": mode, "include_prompt": True,
-        **{k: m == mode for k, m in LEGACY_KEYS.items()},
-    }, indent=2) + "\n")
+    cfg = {"word_embedding_dimension": hidden_size, **{k: m == mode for k, m in LEGACY_KEYS.items()}}
+    if mode != "mean_sqrt_len_tokens":  # the one mode 3.x–5.x do not take as a string
+        cfg["pooling_mode"] = mode
+    cfg["include_prompt"] = True
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length, "do_lower_case": False}))
     (out / "config_sentence_transformers.json").write_text(json.dumps({
         "model_type": "SentenceTransformer", "prompts": prompts, "default_prompt_name": default_prompt_name,
