@@ -130,7 +130,7 @@ def test_commands_default_to_auto_and_pass_the_device_on(monkeypatch, tmp_path, 
 
     seen = []
 
-    def fake_load(cls, path, max_length=None, device="cpu", dtype="float32"):
+    def fake_load(cls, path, max_length=None, device="cpu", dtype="float32", pooling=None):
         seen.append(device)
         raise MoembedError("stop here")
 

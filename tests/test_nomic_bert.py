@@ -77,7 +77,7 @@ def test_transformers_nomic_bert_parity_forward_and_backward(hf_nomic):
     torch.testing.assert_close(out[mask], ref[mask], atol=1e-5, rtol=1e-4)  # float32 rounding of other kernels
     cos = F.cosine_similarity(_mean_pool(out, mask), _mean_pool(ref, mask))
     assert cos.min().item() >= 0.99999
-    emb.pooling = "mean"  # a bare transformers directory reads as CLS pooling; the embedding path, mean-pooled
+    assert emb.pooling == "mean"  # a bare checkpoint pools by mean, as sentence-transformers pools it
     ours = emb.encode(TEXTS, normalize=True)
     assert (ours * F.normalize(_mean_pool(ref, mask), dim=-1).detach().numpy()).sum(1).min() >= 0.99999
 

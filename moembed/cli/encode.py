@@ -40,6 +40,7 @@ def encode(
     quiet: o.Quiet = False,
     old_input: Path = o.old_spelling("--input", "-i"),
     old_output: Path = o.old_spelling("--output"),
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Embed texts: one row per input text, float32 unless another precision is asked.
 
@@ -65,7 +66,7 @@ def encode(
     cal = CorpusInput.open(calibration, inp.format, field, column) if calibration is not None else None
     job = EncodeJob(model=model, input=inp, out=output, prompt=prompt, dim=dim, precision=precision, dtype=dtype,
                     max_length=max_length, chunk_rows=chunk_size, batch_size=batch_size, device=device,
-                    calibration=cal)
+                    calibration=cal, pooling=pooling)
     nproc = o.processes(nproc)
     if nproc == 1:
         rows, width, out_dtype = encode_corpus(job, show_progress=not quiet)
@@ -87,7 +88,8 @@ def _worker_argv(model: str, src: Path, job, calibration: Path | None, quiet: bo
             "--dtype", job.dtype, "--batch-size", str(job.batch_size), "--chunk-size", str(job.chunk_rows),
             "--device", job.device]
     for flag, value in (("--field", job.input.field), ("--column", job.input.column), ("--prompt", job.prompt),
-                        ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration)):
+                        ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration),
+                        ("--pooling", job.pooling)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--quiet"] if quiet else [])

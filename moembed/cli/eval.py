@@ -36,7 +36,8 @@ def _precisions(value: str) -> list[str]:
     return out or ["float32"]
 
 
-def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype: str = "float32"):
+def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype: str = "float32",
+                pooling: str | None = None):
     """The model and the hash of its weights file (model.safetensors when present), for the results."""
     from moembed.errors import MoembedError
     from moembed.eval.encoding import file_hash
@@ -44,6 +45,8 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype:
     if moee_sum is not None:
         if dtype != "float32":
             raise MoembedError(f"--dtype: {dtype!r} with --moee-sum; MoEE runs its language model as loaded")
+        if pooling is not None:
+            raise MoembedError("--pooling: not with --moee-sum; MoEE pools its language model's states itself")
         from moembed.moee.combine import load_moee
 
         # The MoEE model's embeddings differ from its source model's: its key covers mode and settings.
@@ -51,7 +54,8 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype:
         return model, model.settings_key()
     from moembed.model.embedder import Embedder
 
-    model = Embedder.load(path, device=device, dtype=dtype)  # the cache key covers a compute other than float32
+    # the cache key covers a compute other than float32, and the pooling
+    model = Embedder.load(path, device=device, dtype=dtype, pooling=pooling)
     st = path / "model.safetensors"
     return model, file_hash(st) if st.exists() else model.settings_key()
 
@@ -73,6 +77,7 @@ def eval_cmd(
     device: str = o.device_option(),
     dtype: o.Compute = typer.Option("float32", help="compute precision: bf16 autocast; int8 dynamic matmuls (CPU)"),
     quiet: o.Quiet = False,
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm
@@ -96,7 +101,7 @@ def eval_cmd(
         raise MoembedError(f"--batch-size: must be >= 1, got {batch_size}")
     loaded = [load_task(d) for d in dirs]  # every task is validated before any model work
     lengths, dim_list, precs = _ints(max_lengths, "--max-lengths"), _ints(dims, "--dims"), _precisions(precisions)
-    emb, model_hash = _load_model(model, moee_sum, device, dtype)
+    emb, model_hash = _load_model(model, moee_sum, device, dtype, pooling)
     cache = EmbeddingCache(cache_dir) if cache_dir else None
     if dim_list or precs != ["float32"]:
         results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=not quiet)

@@ -36,11 +36,14 @@ def info(
     model: str = typer.Argument(..., help="model directory"),
     probe: Path = typer.Option(None, "--probe", help="texts (one JSON string per line) to measure MoE expert load on"),
     plain: bool = typer.Option(False, "--plain", help="read --probe as plain text lines"),
+    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
 ) -> None:
     """Architecture, parameter counts, dimensions, prefixes and maximum length of a model."""
     from moembed.model.embedder import Embedder
+    from moembed.model.io import pooling_origin
 
-    emb = Embedder.load(model)
+    emb = Embedder.load(model, pooling=pooling)
+    origin = "--pooling" if pooling is not None else pooling_origin(model)
     c = emb.config
     total, active = count_parameters(emb)
     rows = [
@@ -51,9 +54,10 @@ def info(
         ("vocabulary", str(c.vocab_size)),
         ("parameters", f"{total:,} total, {active:,} active per token"),
         ("embedding dim", str(emb.dim)),
-        ("pooling", f"{emb.pooling}{', normalized' if emb.normalize else ''}"),
+        ("pooling", f"{emb.pooling}{', normalized' if emb.normalize else ''} (from {origin})"),
         ("max length", f"{emb.max_length} tokens (trained positions {c.max_position})"),
         ("prompts", ", ".join(f"{k}={v!r}" for k, v in emb.prompts.items()) or "none"),
+        ("default prompt", emb.default_prompt_name or "none"),
     ]
     if c.moe is not None:
         m = c.moe

@@ -89,6 +89,7 @@ class Embedder(nn.Module):
     so that nothing of the original tokenizer configuration is lost. None for a model built in memory.
     autocast: the dtype inference runs matmuls in (torch.bfloat16 / torch.float16), None for float32.
     similarity_fn_name: "cosine" or "dot", what `similarity` computes.
+    default_prompt_name: the prompt `encode` applies when given none, as sentence-transformers' (None: no prefix).
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class Embedder(nn.Module):
         source_dir: str | Path | None = None,
         autocast: torch.dtype | None = None,
         similarity_fn_name: str = "cosine",
+        default_prompt_name: str | None = None,
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -117,6 +119,9 @@ class Embedder(nn.Module):
         self.source_dir = Path(source_dir) if source_dir is not None else None
         self.autocast = autocast
         self.similarity_fn_name = similarity_fn_name
+        if default_prompt_name is not None:
+            self.prefix(default_prompt_name)  # an unknown name raises, listing the known ones
+        self.default_prompt_name = default_prompt_name
 
     @property
     def config(self) -> EncoderConfig:
@@ -136,6 +141,7 @@ class Embedder(nn.Module):
         settings = dict(tokenizer=self.tokenizer, pooling=self.pooling, normalize=self.normalize, prompts=self.prompts,
                         name=self.name, calibration=self.calibration, source_dir=self.source_dir,
                         autocast=self.autocast, similarity_fn_name=self.similarity_fn_name)
+        settings["default_prompt_name"] = self.default_prompt_name
         settings.update(changes)
         return Embedder(encoder, **settings).train(self.training)
 
@@ -148,9 +154,9 @@ class Embedder(nn.Module):
         return EmbedOutput(emb, out)
 
     def prefix(self, prompt: str | None) -> str:
-        """The text prefix for a prompt name (None → no prefix). Unknown names raise, listing the known ones."""
+        """The text prefix for a prompt name (None → the default prompt's, if any); unknown names raise."""
         if prompt is None:
-            return ""
+            return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name is not None else ""
         if prompt not in self.prompts:
             known = ", ".join(sorted(self.prompts)) or "none"
             raise MoembedError(f"prompt_name: unknown name {prompt!r}; this model knows: {known}")
@@ -390,6 +396,8 @@ class Embedder(nn.Module):
         codes also depend on `calibration`."""
         settings = {"weights": weights_key(self), "max_length": self.max_length, "dynamic_ntk": self.config.dynamic_ntk,
                     "pooling": self.pooling, "normalize": self.normalize, "prompts": self.prompts}
+        if self.default_prompt_name is not None:  # keys of models without one stay as they were
+            settings["default_prompt"] = self.prefix(None)
         if self.compute != "float32":  # float32's key as it always was: caches made before stay valid
             settings["compute"] = self.compute
         return short_hash(json.dumps(settings, sort_keys=True))
@@ -400,7 +408,8 @@ class Embedder(nn.Module):
         """Everything `save` writes: config, weights (detached, on the CPU), tokenizer and settings."""
         sd = {k: v.detach().cpu() for k, v in self.encoder.state_dict().items()}
         return ModelParts(self.config, sd, self.tokenizer, self.pooling, self.normalize, self.prompts, self.name,
-                          self.calibration, self.source_dir, similarity_fn_name=self.similarity_fn_name)
+                          self.calibration, self.source_dir, similarity_fn_name=self.similarity_fn_name,
+                          default_prompt_name=self.default_prompt_name)
 
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
@@ -410,20 +419,22 @@ class Embedder(nn.Module):
         encoder.load_state_dict(parts.state_dict)
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,
                    name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir,
-                   similarity_fn_name=parts.similarity_fn_name).eval()
+                   similarity_fn_name=parts.similarity_fn_name,
+                   default_prompt_name=parts.default_prompt_name).eval()
 
     @classmethod
     def load(cls, path: str | Path, max_length: int | None = None, device: str | None = "cpu",
-             dtype: str | None = "float32") -> Embedder:
+             dtype: str | None = "float32", pooling: str | None = None) -> Embedder:
         """Load a moembed, Hugging Face (see `moembed.model.families`) or sentence-transformers directory.
 
-        device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (the accelerator when there is one); dtype:
-        the inference autocast, "float32" (default), "bfloat16", "float16" or "auto" (bfloat16 on an accelerator), or
-        "int8": dynamic int8 linear layers and experts, CPU only (`moembed.model.linear.quantize_int8`).
+        device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (the accelerator when there is one); dtype: the
+        inference autocast, "float32" (default), "bfloat16", "float16" or "auto" (bfloat16 on an accelerator), or
+        "int8": dynamic int8 linear layers and experts, CPU only (`moembed.model.linear.quantize_int8`); pooling:
+        replaces the directory's (`pooling.POOLINGS`; a bare checkpoint pools by mean, as sentence-transformers does).
         Only local directories are read: a Hub name raises, saying how to download the model elsewhere."""
         dev = resolve_device(device)
         amp = resolve_dtype(dtype, dev)  # checks "int8" against the device before the weights are read
-        emb = cls.from_parts(read_parts(path, max_length)).to(dev)
+        emb = cls.from_parts(read_parts(path, max_length, pooling)).to(dev)
         emb.autocast = amp
         if dtype == INT8:
             try:

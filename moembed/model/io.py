@@ -5,12 +5,13 @@
 
 moembed format:
     config.json         {"format": "moembed", "version", "name", "encoder": {...}, "pooling", "normalize",
-                         "prompts", "max_length", "similarity_fn_name"}
+                         "prompts", "max_length", "similarity_fn_name", "default_prompt_name"}
     model.safetensors   encoder weights (moembed names)
     tokenizer.json      (plus the source's other tokenizer files, kept for export)
     calibration.safetensors   optional sample of embeddings for int8 ranges
 Hugging Face directories (config.json with a `model_type` of `moembed.model.families`), optionally wrapped as a
-sentence-transformers model (modules.json), are read through their family's converter.
+sentence-transformers model (modules.json, read and written by `moembed.model.st_config`), are read through their
+family's converter.
 Weights are read only through safetensors, or `torch.load(weights_only=True)` for pytorch_model.bin.
 """
 
@@ -29,11 +30,14 @@ from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_dir, recover_dir
 from moembed.model.config import EncoderConfig
 from moembed.model.families import FAMILIES, converter_for, exporter_for
+from moembed.model.pooling import POOLINGS
+from moembed.model.st_config import read_st_settings, tokenizer_max_length, write_st_modules
 from moembed.model.tokenizer import TextTokenizer
 from moembed.version import __version__
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 ST_MODULE = "moembed.model.st_module.MoembedEncoder"
+MOEMBED_ORIGIN = 'config.json "pooling"'
 
 
 @dataclass
@@ -51,6 +55,7 @@ class ModelParts:
     source_dir: Path | None = None  # tokenizer files are copied from here on save
     weights_path: Path | None = None  # where the weights were read from (named in errors)
     similarity_fn_name: str = "cosine"  # "cosine" | "dot", as sentence-transformers' config names it
+    default_prompt_name: str | None = None  # the prompt `encode` applies when given none (a key of prompts)
 
 
 def _read_json(path: Path) -> dict:
@@ -78,18 +83,30 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 # ---- reading ------------------------------------------------------------------------------------------------------
 
 
-def read_parts(path: str | Path, max_length: int | None = None) -> ModelParts:
-    """The parts of a moembed directory, a sentence-transformers directory, or a Hugging Face directory."""
+def read_parts(path: str | Path, max_length: int | None = None, pooling: str | None = None) -> ModelParts:
+    """The parts of a moembed directory, a sentence-transformers directory, or a Hugging Face directory.
+    pooling: replaces the directory's (`moembed.model.pooling.POOLINGS`), checked before the weights are read."""
     path = Path(path)
     recover_dir(path)  # a replacement of this directory interrupted by a kill (fileio: rename-aside fallback)
     if not path.exists():
         raise MoembedError(_not_local(path))
     if not path.is_dir():
         raise MoembedError(f"{path}: not a model directory (a file)")
+    if pooling is not None and pooling not in POOLINGS:
+        raise MoembedError(f"pooling: unknown mode {pooling!r}; choose one of {', '.join(POOLINGS)}")
     cfg = _read_json(path / "config.json")
-    if cfg.get("format") == "moembed":
-        return _read_moembed(path, cfg, max_length)
-    return _read_hf(path, cfg, max_length)
+    parts = _read_moembed(path, cfg, max_length) if cfg.get("format") == "moembed" else _read_hf(path, cfg, max_length)
+    if pooling is not None:
+        parts.pooling = pooling
+    return parts
+
+
+def pooling_origin(path: str | Path) -> str:
+    """Where a model directory's pooling comes from, read from its small config files only (`moembed info`)."""
+    path = Path(path)
+    if _read_json(path / "config.json").get("format") == "moembed":
+        return MOEMBED_ORIGIN
+    return read_st_settings(path).origin
 
 
 def _not_local(path: Path) -> str:
@@ -120,43 +137,31 @@ def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     return ModelParts(config, sd, tok, pooling=cfg.get("pooling", "mean"), normalize=cfg.get("normalize", True),
                       prompts=cfg.get("prompts"), name=cfg.get("name", path.name), calibration=calibration,
                       source_dir=path, weights_path=path / "model.safetensors",
-                      similarity_fn_name=cfg.get("similarity_fn_name") or "cosine")
+                      similarity_fn_name=cfg.get("similarity_fn_name") or "cosine",
+                      default_prompt_name=cfg.get("default_prompt_name"))
 
 
 def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
-    """A Hugging Face directory, optionally wrapped as a sentence-transformers model (modules.json)."""
-    pooling, normalize, prompts, st_max, sim = "cls", False, {}, None, "cosine"
-    if (path / "modules.json").exists():
-        modules = _read_json(path / "modules.json")
-        types = [m.get("type", "") for m in modules]
-        normalize = any(t.endswith("Normalize") for t in types)
-        pool_mod = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
-        if pool_mod is not None:
-            pc = _read_json(path / pool_mod["path"] / "config.json")
-            if pc.get("pooling_mode_mean_tokens"):
-                pooling = "mean"
-            elif pc.get("pooling_mode_cls_token"):
-                pooling = "cls"
-            elif pc.get("pooling_mode_lasttoken"):
-                pooling = "last"
-            else:
-                raise MoembedError(f"{path / pool_mod['path'] / 'config.json'}: pooling mode not supported")
-        if (path / "sentence_bert_config.json").exists():
-            st_max = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
-        if (path / "config_sentence_transformers.json").exists():
-            st_cfg = _read_json(path / "config_sentence_transformers.json")
-            prompts, sim = st_cfg.get("prompts") or {}, st_cfg.get("similarity_fn_name") or "cosine"
+    """A Hugging Face directory, optionally wrapped as a sentence-transformers model (modules.json; without one,
+    pooled as sentence-transformers pools a bare checkpoint: `moembed.model.st_config`)."""
+    st = read_st_settings(path)
     family = converter_for(cfg, path)
     config = family.config_from_hf(cfg, path)
+    if st.embedding_dimension is not None and st.embedding_dimension != config.hidden_size:
+        raise MoembedError(f"{path}: the Pooling config's embedding_dimension {st.embedding_dimension} differs from "
+                           f"config.json's hidden size {config.hidden_size}")
     raw = _read_weights(path)
     _check_hf_shapes(raw, family, config, path)
     try:
         sd = family.weights_from_hf(raw, config)
     except MoembedError as e:  # a tensor that does not fit the config: name the directory it came from
         raise MoembedError(f"{path}: {e}") from None
-    tok = TextTokenizer.from_dir(path, max_length or st_max or config.max_position)
-    return ModelParts(config, sd, tok, pooling=pooling, normalize=normalize, prompts=prompts, name=path.name,
-                      source_dir=path, weights_path=path, similarity_fn_name=sim)
+    # sentence-transformers' maximum: max_seq_length, else the tokenizer's, capped at the position table
+    tok_max = min(tokenizer_max_length(path) or config.max_position, config.max_position)
+    tok = TextTokenizer.from_dir(path, max_length or st.max_seq_length or tok_max)
+    return ModelParts(config, sd, tok, pooling=st.pooling, normalize=st.normalize, prompts=st.prompts,
+                      name=path.name, source_dir=path, weights_path=path, similarity_fn_name=st.similarity_fn_name,
+                      default_prompt_name=st.default_prompt_name)
 
 
 def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig, path: Path) -> None:
@@ -203,7 +208,7 @@ def write_parts(parts: ModelParts, out: Path) -> None:
         "format": "moembed", "version": __version__, "name": parts.name,
         "encoder": parts.config.model_dump(mode="json"), "pooling": parts.pooling, "normalize": parts.normalize,
         "prompts": parts.prompts, "max_length": parts.tokenizer.max_length,
-        "similarity_fn_name": parts.similarity_fn_name,
+        "similarity_fn_name": parts.similarity_fn_name, "default_prompt_name": parts.default_prompt_name,
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     sd = {k: v.detach().contiguous().cpu() for k, v in parts.state_dict.items()}
@@ -286,27 +291,8 @@ def _write_hf(parts: ModelParts, family, tmp: Path, layout: dict | None = None) 
 
 
 def _write_st_modules(parts: ModelParts, tmp: Path, first_type: str) -> None:
-    """modules.json (first module in the root, then Pooling and Normalize) and the sentence-transformers configs."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": first_type},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    if parts.normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        (tmp / "2_Normalize").mkdir()
-    (tmp / "modules.json").write_text(json.dumps(modules, indent=2))
-    (tmp / "1_Pooling").mkdir()
-    (tmp / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": parts.config.hidden_size,
-        "pooling_mode_cls_token": parts.pooling == "cls",
-        "pooling_mode_mean_tokens": parts.pooling == "mean",
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_lasttoken": parts.pooling == "last",
-    }, indent=2))
-    (tmp / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": parts.tokenizer.max_length, "do_lower_case": False}))
-    (tmp / "config_sentence_transformers.json").write_text(json.dumps({
-        "prompts": parts.prompts, "default_prompt_name": None, "similarity_fn_name": parts.similarity_fn_name,
-        "__version__": {"moembed": __version__},
-    }, indent=2))
+    """modules.json, Pooling, Normalize and the sentence-transformers configs (`st_config.write_st_modules`)."""
+    write_st_modules(tmp, first_type, hidden_size=parts.config.hidden_size, pooling=parts.pooling,
+                     normalize=parts.normalize, max_length=parts.tokenizer.max_length, prompts=parts.prompts or {},
+                     default_prompt_name=parts.default_prompt_name, similarity_fn_name=parts.similarity_fn_name,
+                     version=__version__)

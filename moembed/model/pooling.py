@@ -1,6 +1,12 @@
 """Pooling of token states into one vector, Matryoshka truncation, and output precisions.
 
-Pooling works on the encoder's packed real tokens (see encoder.py), so padding never enters a mean.
+Pooling works on the encoder's packed real tokens (see encoder.py), so padding never enters a mean. The modes
+are sentence-transformers' Pooling modes (its names in `ST_POOLING`), computed over the same tokens:
+- "mean": the average of a text's token states (sentence-transformers' default, and moembed's);
+- "cls": the first token's state; "last": the last real token's (sentence-transformers' "lasttoken");
+- "max": the per-dimension maximum over the tokens;
+- "mean_sqrt_len": the sum divided by the square root of the number of tokens ("mean_sqrt_len_tokens");
+- "weightedmean": the average weighted by position, token t (counted from 1) weighing t (SGPT, Muennighoff 2022).
 Precisions (arctic-embed-2 §2.5), named and computed as sentence-transformers' `quantize_embeddings` does:
 - "int8" / "uint8": scalar quantisation, per dimension, of [low, high] (taken from calibration embeddings) into
   256 buckets of width step = (high − low) / 255: code = clip(floor((x − low) / step), 0, 255), minus 128 for
@@ -19,9 +25,12 @@ import torch.nn.functional as F
 
 from moembed.errors import MoembedError
 
-Pooling = Literal["mean", "cls", "last"]
+Pooling = Literal["mean", "cls", "last", "max", "mean_sqrt_len", "weightedmean"]
 Precision = Literal["float32", "int8", "uint8", "binary", "ubinary"]
-POOLINGS = ("mean", "cls", "last")
+POOLINGS = ("mean", "cls", "last", "max", "mean_sqrt_len", "weightedmean")
+# sentence-transformers' name of each mode (its `pooling_mode` string) → moembed's
+ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last", "max": "max",
+              "mean_sqrt_len_tokens": "mean_sqrt_len", "weightedmean": "weightedmean"}
 PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 SCALAR = ("int8", "uint8")  # precisions that need calibration ranges
 
@@ -32,15 +41,24 @@ def pool(packed: torch.Tensor, batch_index: torch.Tensor, lengths: torch.Tensor,
     batch_index (N,) gives each token's sequence; lengths (B,) the real tokens per sequence (tokens of a
     sequence are contiguous and in order in the packed layout).
     """
-    B = lengths.shape[0]
-    if mode == "mean":
-        sums = packed.new_zeros(B, packed.shape[-1]).index_add_(0, batch_index, packed)  # (B, d)
-        return sums / lengths.clamp(min=1).unsqueeze(-1).to(packed.dtype)
+    B, d = lengths.shape[0], packed.shape[-1]
+    counts = lengths.clamp(min=1).unsqueeze(-1).to(packed.dtype)  # (B, 1)
+    if mode in ("mean", "mean_sqrt_len"):
+        sums = packed.new_zeros(B, d).index_add_(0, batch_index, packed)  # (B, d)
+        return sums / (counts if mode == "mean" else counts.sqrt())
     ends = torch.cumsum(lengths, 0)  # (B,) one past each sequence's last packed token
     if mode == "cls":
         return packed.index_select(0, ends - lengths)
     if mode == "last":
         return packed.index_select(0, ends - 1)
+    if mode == "max":
+        out = packed.new_full((B, d), float("-inf"))
+        return out.scatter_reduce_(0, batch_index.unsqueeze(-1).expand(-1, d), packed, "amax")  # (B, d)
+    if mode == "weightedmean":
+        starts = (ends - lengths).index_select(0, batch_index)  # (N,) each token's sequence start
+        w = (torch.arange(packed.shape[0], device=packed.device) - starts + 1).to(packed.dtype)  # (N,) 1, 2, ...
+        sums = packed.new_zeros(B, d).index_add_(0, batch_index, packed * w.unsqueeze(-1))  # (B, d)
+        return sums / packed.new_zeros(B).index_add_(0, batch_index, w).clamp(min=1).unsqueeze(-1)
     raise MoembedError(f"pooling: unknown mode {mode!r}; choose one of {', '.join(POOLINGS)}")
 
 

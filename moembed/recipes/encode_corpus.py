@@ -50,7 +50,7 @@ class EncodeJob:
     prompt: the model's prompt name (its prefix is prepended); dim: Matryoshka truncation; precision: output
     precision (moembed.model.pooling.PRECISIONS); dtype: compute precision (DTYPES); chunk_rows: texts read,
     embedded and written at a time (the unit of progress and of resumption); calibration: texts for int8 ranges
-    (default: the first CALIBRATION_SAMPLES of the input).
+    (default: the first CALIBRATION_SAMPLES of the input); pooling: replaces the model's.
     """
 
     model: str
@@ -65,6 +65,7 @@ class EncodeJob:
     batch_size: int = 32
     device: str = "auto"
     calibration: CorpusInput | None = None
+    pooling: str | None = None  # replaces the model's pooling (`Embedder.load(pooling=)`)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -122,7 +123,7 @@ def load_model(job: EncodeJob):
         device = torch.device("cuda", dist.local_rank())
     # int8 refused off the CPU before the weights are read (`resolve_dtype`)
     emb = Embedder.load(job.model, max_length=job.max_length, device=str(device),
-                        dtype=INT8 if job.dtype == INT8 else "float32")
+                        dtype=INT8 if job.dtype == INT8 else "float32", pooling=job.pooling)
     if job.dtype == INT8:
         from moembed.model.linear import int8_path
 

@@ -33,6 +33,7 @@ class ServeConfig(BaseModel):
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps; auto picks the accelerator when there is one
     # auto: bf16 autocast on an accelerator, float32 on CPU; int8: dynamic int8 matmuls (CPU only)
     dtype: Literal["auto", "float32", "bf16", "int8"] = "auto"
+    pooling: str | None = None  # replaces the model's pooling (`Embedder.load(pooling=)`); None: the model's
 
     # dynamic batching (batcher.py)
     max_batch_tokens: int | None = Field(None, ge=1)  # padded tokens per forward; None: see batch_tokens()

@@ -87,13 +87,15 @@ class EmbedderEngine:
         self._untruncated.no_padding()
 
     @classmethod
-    def load(cls, path: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> "EmbedderEngine":
+    def load(cls, path: str, device: str = "auto", dtype: str = "auto", name: str | None = None,
+             pooling: str | None = None) -> "EmbedderEngine":
         from moembed.model.embedder import Embedder
 
         dev = resolve_device(device)
         bf16 = dev.type != "cpu" if dtype == "auto" else dtype == "bf16"
         # int8: refused off the CPU before the weights are read (`resolve_dtype`)
-        return cls(Embedder.load(path, device=str(dev), dtype=INT8 if dtype == INT8 else "float32"), dev, bf16, name)
+        emb = Embedder.load(path, device=str(dev), dtype=INT8 if dtype == INT8 else "float32", pooling=pooling)
+        return cls(emb, dev, bf16, name)
 
     @property
     def int8_ready(self) -> bool:
@@ -101,7 +103,7 @@ class EmbedderEngine:
 
     def prefix(self, input_type: str | None) -> str:
         prompt = INPUT_TYPES.get(input_type) if input_type else None
-        return self.emb.prefix(prompt) if prompt in self.emb.prompts else ""
+        return self.emb.prefix(prompt if prompt in self.emb.prompts else None)  # None: the default prompt, if any
 
     def tokenize(self, texts: list[str], input_type: str | None = None, truncate: bool = True) -> tuple[list[list[int]], int]:
         texts = [self.prefix(input_type) + t for t in texts]
