@@ -114,6 +114,7 @@ def export(
     out: Path = typer.Option(..., "--out", help="output model directory (plain lookup embedding)"),
 ) -> None:
     """Precompute the |V_l| x d MoVE table and save a model whose embedding layer is a plain lookup."""
+    from moembed.data.calibration import ensure_calibration
     from moembed.errors import MoembedError
     from moembed.model.convert.lookup import to_lookup
     from moembed.model.embedder import Embedder
@@ -121,5 +122,7 @@ def export(
     emb = Embedder.load(model)
     if emb.config.move is None:
         raise MoembedError(f"{model}: this model has no MoVE embedding layer (config.json encoder.move is null)")
-    to_lookup(emb).save(out)
+    lookup = to_lookup(emb)
+    typer.echo(f"moembed: {ensure_calibration(lookup)}", err=True)
+    lookup.save(out)
     typer.echo(f"moembed: wrote a {emb.config.vocab_size} x {emb.dim} lookup model to {out}", err=True)
