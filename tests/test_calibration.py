@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_serve import rows, serving
-from train_helpers import chatterbot_pairs, write_pairs
+from train_helpers import chatterbot_pairs, write_pairs, write_texts
 
 from moembed.data.calibration import builtin_sample, training_sample
 from moembed.model.calibration import SAMPLE_PAIRS, calibrate_roles
@@ -76,6 +76,24 @@ def test_a_trained_model_encodes_and_serves_int8_without_a_calibrate_call(tmp_pa
     x = emb.encode(TEXTS, precision="int8")
     assert x.dtype == np.int8 and x.shape == (3, emb.dim)
     _int8_served(final, emb)
+
+
+def test_the_training_sample_draws_evenly_from_every_source_and_reads_mlm_texts(tmp_path):
+    from moembed.data.config import SourceConfig
+
+    pairs = chatterbot_pairs()
+    a = write_pairs(tmp_path / "a.jsonl", pairs[:100])
+    b = write_pairs(tmp_path / "b.jsonl", pairs[100:400])
+    queries, documents = training_sample([SourceConfig(path=str(a), query_prefix="q: "), SourceConfig(path=str(b))], 0)
+    # SAMPLE_PAIRS / 2 records of each source; `a` has only 100
+    assert len(queries) == len(documents) == 100 + SAMPLE_PAIRS // 2
+    assert sorted(q.removeprefix("q: ") for q in queries[:100]) == sorted(q for q, _ in pairs[:100])
+    assert {(q, d) for q, d in zip(queries[100:], documents[100:])} <= set(pairs[100:400])
+    texts = [d for _, d in pairs[:700]]
+    src = SourceConfig(path=str(write_texts(tmp_path / "t.jsonl", texts)))
+    queries, documents = training_sample([src], 0, texts=True)
+    assert queries == [] and len(documents) == 2 * SAMPLE_PAIRS and set(documents) <= set(texts)
+    assert documents != texts[:2 * SAMPLE_PAIRS]  # drawn by the seed, not the file's first lines
 
 
 def test_moembed_calibrate_fixes_the_int8_uncalibrated_400(tmp_path, tiny_dir, cli):

@@ -24,9 +24,9 @@ log = logging.getLogger("moembed")
 def training_sample(sources: list[SourceConfig], seed: int, texts: bool = False,
                     pairs: int = SAMPLE_PAIRS) -> tuple[list[str], list[str]]:
     """(queries, documents) of about `pairs` records drawn evenly from `sources`, prefixes included; with `texts`
-    (MLM data) the records' texts are the documents. Each source is read as training reads it (seeded blocks, the
-    run's seed), from its start; malformed records are skipped. Deterministic for a seed."""
-    per_source = math.ceil(pairs / max(len(sources), 1))
+    (MLM data) no queries and twice as many texts as documents. Each source is read as training reads it (seeded
+    blocks, the run's seed), from its start; malformed records are skipped. Deterministic for a seed."""
+    per_source = math.ceil((2 * pairs if texts else pairs) / max(len(sources), 1))
     queries: list[str] = []
     documents: list[str] = []
     for cfg in sources:
