@@ -207,16 +207,22 @@ class Trainer:
 
     def calibrate(self) -> None:
         """Store an int8 calibration sample of the run's own training texts (drawn by its seed) with the model. A
-        sample that cannot be read leaves the model without one, with a warning: the trained model is never lost."""
+        sample that cannot be embedded leaves the model without one, with a warning: the trained model is saved."""
         from moembed.data.calibration import training_sample
 
-        self.embedder.calibration = None  # a starting model's sample no longer fits the trained weights
+        emb = self.embedder
+        emb.calibration = None  # a starting model's sample no longer fits the trained weights
+        tok, keep = emb.tokenizer, emb.tokenizer.max_length
+        if emb.config.position == "absolute":  # a preset's tokenizer may allow more tokens than its position table
+            tok.set_max_length(min(keep, emb.config.max_position))
         try:
             queries, documents = training_sample(self.cfg.data, self.cfg.seed, texts=self.cfg.stage == "mlm")
-        except MoembedError as e:
-            log.warning("no int8 calibration stored (%s); run `moembed calibrate MODEL TEXTS` to add one", e)
+            emb.calibrate(queries + documents)  # each text with its source's prefix, as trained
+        except (MoembedError, ValueError, RuntimeError) as e:
+            log.warning("no int8 calibration stored (%s); `moembed calibrate MODEL TEXTS` adds one", e)
             return
-        self.embedder.calibrate(queries + documents)  # each text with its source's prefix, as trained
+        finally:
+            tok.set_max_length(keep)
         log.info("int8 calibration: %d texts of the training data", len(queries) + len(documents))
 
     def finish(self) -> Path:
