@@ -8,7 +8,12 @@ complete; the parent directory is fsynced after the move. Guarantees:
   new content, never half-written and never missing (when it existed before);
 - after the function returns, the new content survives a power loss (as far as fsync holds on the filesystem);
 - a write that fails (full disk, permissions, I/O error) raises a MoembedError naming the target, removes its
-  temporary files and leaves the previous content untouched.
+  temporary files and leaves the previous content untouched;
+- outputs get the modes `open` and `mkdir` give under the process's umask: files 0666 and directories 0777 less
+  the umask (0644 / 0755 under umask 022, 0600 / 0700 under 077), so a report or a model can be read by a web
+  server or a server running as another user when the umask allows it. The temporary file or directory is created
+  with those modes (`tempfile.mkstemp` / `mkdtemp` would give 0600 / 0700 whatever the umask), and whatever a
+  writer left under it is set to them before the move (safetensors writes its files 0600).
 
 Replacing a directory cannot be one `rename` (POSIX refuses to rename onto a non-empty directory). Where Linux's
 renameat2(RENAME_EXCHANGE) works (ext4, xfs, btrfs, tmpfs, ...), the complete new directory and the old one swap
@@ -28,7 +33,9 @@ import errno
 import json
 import logging
 import os
+import secrets
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -156,6 +163,41 @@ def _replace_dir(tmp: Path, target: Path) -> None:
         _remove_tree(aside)
 
 
+def _new_temp(parent: Path, name: str, directory: bool) -> Path:
+    """Create a new hidden `.NAME.XXXXXXXX.tmp` file or directory in `parent`, mode 0666 / 0777 less the umask.
+
+    The kernel applies the umask as for any `open` / `mkdir`, so nothing reads or changes the process's umask (which
+    `os.umask` can only do by setting it, racing other threads). O_EXCL / mkdir refuse an existing name."""
+    for _ in range(100):
+        tmp = parent / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            if directory:
+                os.mkdir(tmp, 0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary name", str(parent / f".{name}.*.tmp"))
+
+
+def _apply_modes(root: Path, file_mode: int, dir_mode: int) -> None:
+    """Set `root` (a file, or a directory and everything under it) to the modes the umask gives: files `file_mode`,
+    directories `dir_mode` (read from the temporary file or directory, which was created under the umask). Special
+    bits (a setgid directory's) are kept; symbolic links are left alone."""
+    paths = [(root, root.is_dir())]
+    if root.is_dir():
+        for dirpath, dirs, files in os.walk(root):
+            paths += [(Path(dirpath, d), True) for d in dirs] + [(Path(dirpath, f), False) for f in files]
+    for path, is_dir in paths:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        want = dir_mode if is_dir else file_mode
+        if stat.S_IMODE(st.st_mode) & 0o777 != want:
+            os.chmod(path, (stat.S_IMODE(st.st_mode) & 0o7000) | want)
+
+
 # ---- errors ------------------------------------------------------------------------------------------------------
 
 # What writers raise when the disk fails them: OSError from Python, "I/O error: ... (os error N)" from safetensors,
@@ -209,19 +251,20 @@ def make_parent(target: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `target`; on success fsync it and rename it onto `target` (then fsync the
-    directory), on error delete it. A failed write raises MoembedError naming `target`; `target` is unchanged.
+    """Yield a temporary path beside `target` (an empty file, mode 0666 less the umask); on success fsync it and
+    rename it onto `target` (then fsync the directory), on error delete it. A failed write raises MoembedError
+    naming `target`; `target` is unchanged.
     """
     target = Path(target)
     try:
         make_parent(target)
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        tmp = _new_temp(target.parent, target.name, directory=False)
     except OSError as e:
         raise _write_error(target, e, None, True) from None
-    os.close(fd)
-    tmp, unchanged = Path(name), True
+    unchanged, mode = True, stat.S_IMODE(os.stat(tmp).st_mode)  # 0666 less the umask
     try:
         yield tmp
+        _apply_modes(tmp, mode, mode)
         _fsync_file(tmp)
         unchanged = False
         os.replace(tmp, target)
@@ -237,7 +280,8 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory beside `target`; on success it replaces `target` (old content removed).
+    """Yield a temporary directory beside `target`; on success it replaces `target` (old content removed). The
+    directory and what is written into it get the process's umask (module docstring).
 
     Files and directories written are fsynced before the move; `target` is complete (old or new) at every instant
     (module docstring). A failed write raises MoembedError naming `target`; `target` is unchanged and the temporary
@@ -247,12 +291,13 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     try:
         make_parent(target)
         recover_dir(target)  # a replacement interrupted by a kill (rename-aside fallback)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        tmp = _new_temp(target.parent, target.name, directory=True)
     except OSError as e:
         raise _write_error(target, e, None, True) from None
-    unchanged = True
+    unchanged, mode = True, stat.S_IMODE(os.stat(tmp).st_mode) & 0o777  # 0777 less the umask
     try:
         yield tmp
+        _apply_modes(tmp, mode & 0o666, mode)
         _fsync_tree(tmp)
         unchanged = False
         _replace_dir(tmp, target)

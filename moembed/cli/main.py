@@ -13,7 +13,7 @@ from moembed.errors import MoembedError
 from moembed.heap import configure_process, start_on_mimalloc
 
 # One module per job (moembed/cli/<name>.py). Keep imports inside the command functions so `--help` is fast.
-COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve"]
+COMMANDS = ["encode", "models", "convert", "data", "moee", "move", "moe", "train", "eval", "quickstart", "serve", "calibrate"]
 TRAINING = {"train", "quickstart"}  # commands that train: their process runs with moembed.heap's training settings
 
 app = typer.Typer(

@@ -101,7 +101,10 @@ def export(
 
     if format not in ("sentence-transformers", "huggingface", "moembed"):
         raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers, huggingface or moembed")
+    from moembed.data.calibration import ensure_calibration
+
     emb = Embedder.load(model)
+    typer.echo(f"moembed: {ensure_calibration(emb)}", err=True)
     if format == "sentence-transformers":
         export_sentence_transformers(emb, out)
     elif format == "huggingface":

@@ -26,11 +26,13 @@ def upcycle(
 ) -> None:
     """Copy each replaced dense MLP into all experts of its layer, with a fresh router, and save."""
     from moembed.cli.models import count_parameters
+    from moembed.data.calibration import ensure_calibration
     from moembed.model.convert.upcycle import upcycle as do_upcycle
     from moembed.model.embedder import Embedder
 
     dense = Embedder.load(model)
     moe = do_upcycle(dense, experts, top_k, every, offset=offset, renormalize=renormalize, noise=noise, seed=seed)
+    typer.echo(f"moembed: {ensure_calibration(moe)}", err=True)
     moe.save(out)
     total, active = count_parameters(moe)
     layers = [i + 1 for i in moe.config.moe_layers()]

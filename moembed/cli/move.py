@@ -113,6 +113,7 @@ def export(
     out: Path = o.out_option("output model directory (plain lookup embedding)"),
 ) -> None:
     """Precompute the |V_l| x d MoVE table and save a model whose embedding layer is a plain lookup."""
+    from moembed.data.calibration import ensure_calibration
     from moembed.errors import MoembedError
     from moembed.model.convert.lookup import to_lookup
     from moembed.model.embedder import Embedder
@@ -120,5 +121,7 @@ def export(
     emb = Embedder.load(model)
     if emb.config.move is None:
         raise MoembedError(f"{model}: this model has no MoVE embedding layer (config.json encoder.move is null)")
-    to_lookup(emb).save(out)
+    lookup = to_lookup(emb)
+    typer.echo(f"moembed: {ensure_calibration(lookup)}", err=True)
+    lookup.save(out)
     typer.echo(f"moembed: wrote a {emb.config.vocab_size} x {emb.dim} lookup model to {out}", err=True)

@@ -40,16 +40,7 @@ from moembed.model.encoder import Encoder, EncoderOutput
 from moembed.model.inference import length_sorted_batches, run_batches
 from moembed.model.io import ModelParts, read_parts, save_parts
 from moembed.model.linear import quantize_int8
-from moembed.model.pooling import (
-    POOLINGS,
-    PRECISIONS,
-    SCALAR,
-    int8_ranges,
-    pack_bits,
-    pool,
-    quantize_scalar,
-    truncate,
-)
+from moembed.model.pooling import POOLINGS, PRECISIONS, SCALAR, int8_ranges, pack_bits, pool, quantize_scalar, truncate
 from moembed.model.protocol import short_hash, weights_key
 from moembed.model.similarity import check_fn, similarity, similarity_pairwise
 from moembed.model.tokenizer import TextTokenizer
@@ -65,6 +56,9 @@ NOMIC_PROMPTS = {
     "clustering": "clustering: ",
 }
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
+# The prompt `encode_query` / `encode_document` use when none is given: the first of these names the model has.
+ROLE_PROMPTS = {"query": ("query", "search_query"), "document": ("document", "passage", "corpus", "search_document")}
+UNCALIBRATED = "needs calibration embeddings; call calibrate(texts) first, or run `moembed calibrate MODEL TEXTS`"
 
 
 def _alias(name: str, value, old: str, old_value):
@@ -302,7 +296,7 @@ class Embedder(nn.Module):
         if truncate_dim is not None and not 1 <= truncate_dim <= self.dim:
             raise MoembedError(f"truncate_dim: {truncate_dim} is out of range 1..{self.dim}")
         if precision in SCALAR and self.calibration is None:
-            raise MoembedError(f"precision: {precision} needs calibration embeddings; call calibrate(texts) first")
+            raise MoembedError(f"precision: {precision} {UNCALIBRATED}")
         prefix = self.prompt_text(prompt_name, prompt)
         if device is not None:
             self.to(resolve_device(device))
@@ -321,16 +315,19 @@ class Embedder(nn.Module):
                      **kwargs):
         """`encode` with the model's query prompt ("query", else "search_query") unless a prompt is given."""
         if prompt_name is None and prompt is None:
-            prompt_name = next((p for p in ("query", "search_query") if p in self.prompts), None)
+            prompt_name = self.role_prompt("query")
         return self.encode(sentences, prompt_name, prompt, **kwargs)
 
     def encode_document(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
                         **kwargs):
         """`encode` with the model's document prompt ("document", "passage", else "search_document")."""
         if prompt_name is None and prompt is None:
-            names = ("document", "passage", "corpus", "search_document")
-            prompt_name = next((p for p in names if p in self.prompts), None)
+            prompt_name = self.role_prompt("document")
         return self.encode(sentences, prompt_name, prompt, **kwargs)
+
+    def role_prompt(self, role: str) -> str | None:
+        """The prompt name this model gives a "query" or a "document" (`ROLE_PROMPTS`), None when it has none."""
+        return next((p for p in ROLE_PROMPTS[role] if p in self.prompts), None)
 
     @property
     def similarity_fn_name(self) -> str:
@@ -369,7 +366,8 @@ class Embedder(nn.Module):
 
         The ranges are each dimension's min and max over the sample, after the same truncation and normalisation
         as the output: sentence-transformers' `quantize_embeddings(x, precision, calibration_embeddings=...)`
-        given the sample's embeddings computes the same codes."""
+        given the sample's embeddings computes the same codes. `save` stores the sample with the model
+        (`moembed.model.calibration` says which texts moembed samples when it trains or converts a model)."""
         texts = list(texts)[:max_samples]
         if not texts:
             raise MoembedError("calibrate: no texts given")
@@ -378,7 +376,7 @@ class Embedder(nn.Module):
     def int8_ranges(self, dim: int | None, normalize: bool = True) -> np.ndarray:
         """Per-dimension (low, high) ranges (2, dim) for the requested truncation, from the stored calibration."""
         if self.calibration is None:
-            raise MoembedError("precision: int8 / uint8 need calibration embeddings; call calibrate(texts) first")
+            raise MoembedError(f"precision: int8 / uint8 output {UNCALIBRATED}")
         cal = truncate(torch.from_numpy(self.calibration), dim, normalize).numpy()
         return int8_ranges(cal)
 

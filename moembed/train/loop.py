@@ -10,7 +10,8 @@ all-reduces overlap the last backward pass (what DDP does — done explicitly be
 forward passes per backward; `distributed.GradientSync`).
 
 Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, checkpoints/step-*/ (atomic, last N kept),
-plots/*.png, and the final model in the moembed format in model/.
+plots/*.png, and the final model in the moembed format in model/, with an int8 calibration sample of its own
+training texts (`moembed.model.calibration`).
 """
 
 from __future__ import annotations
@@ -204,10 +205,32 @@ class Trainer:
             self.module.train()
         return {r.task_name: r.main_score for r in results}
 
+    def calibrate(self) -> None:
+        """Store an int8 calibration sample of the run's own training texts (drawn by its seed) with the model. A
+        sample that cannot be embedded leaves the model without one, with a warning: the trained model is saved."""
+        from moembed.data.calibration import training_sample
+
+        emb = self.embedder
+        emb.calibration = None  # a starting model's sample no longer fits the trained weights
+        tok, keep = emb.tokenizer, emb.tokenizer.max_length
+        if emb.config.position == "absolute":  # a preset's tokenizer may allow more tokens than its position table
+            tok.set_max_length(min(keep, emb.config.max_position))
+        try:
+            queries, documents = training_sample(self.cfg.data, self.cfg.seed, texts=self.cfg.stage == "mlm")
+            emb.calibrate(queries + documents)  # each text with its source's prefix, as trained
+        except (MoembedError, ValueError, RuntimeError) as e:
+            log.warning("no int8 calibration stored (%s); `moembed calibrate MODEL TEXTS` adds one", e)
+            return
+        finally:
+            tok.set_max_length(keep)
+        log.info("int8 calibration: %d texts of the training data", len(queries) + len(documents))
+
     def finish(self) -> Path:
         final = self.out / "model"
         if self.main:
-            self.embedder.eval().save(final)
+            self.embedder.eval()
+            self.calibrate()
+            self.embedder.save(final)
             self.stage.write_extras(self.module, final)
         dist.barrier()
         return final

