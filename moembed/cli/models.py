@@ -14,12 +14,9 @@ def register(app: typer.Typer) -> None:
 
 def count_parameters(emb) -> tuple[int, int]:
     """(total, active per token): in an MoE layer only top_k of num_experts experts run for each token."""
-    total = sum(p.numel() for p in emb.encoder.parameters())
-    moe = emb.config.moe
-    if moe is None:
-        return total, total
-    expert = sum(p.numel() for n, p in emb.encoder.named_parameters() if ".mlp.experts" in n)
-    return total, total - expert + expert * moe.top_k // moe.num_experts
+    from moembed.model.card import parameter_counts
+
+    return parameter_counts(emb.config, dict(emb.encoder.named_parameters()))
 
 
 def describe_positions(c) -> str:
@@ -82,24 +79,35 @@ def _probe(emb, path: Path, plain: bool) -> None:
         typer.echo(f"  {line}")
 
 
+EXPORT_FORMATS = ("sentence-transformers", "huggingface", "onnx", "moembed")  # the formats `export` writes
+
+
 def export(
     model: str = typer.Argument(..., help="model directory"),
     format: str = typer.Option("sentence-transformers", "--format",
-                               help="sentence-transformers | huggingface (the family's own layout) | moembed"),
+                               help="sentence-transformers | huggingface (the family's own layout) | onnx "
+                                    "(onnx/model.onnx in a sentence-transformers directory) | moembed"),
     out: Path = typer.Option(..., "--out", help="output directory"),
+    quantize: str = typer.Option(None, "--quantize", help="onnx: also write an int8 graph (ONNX Runtime's dynamic quantiser): int8"),
 ) -> None:
-    """Convert a model to another format."""
+    """Convert a model to another format, with a model card (README.md)."""
     from moembed.errors import MoembedError
     from moembed.model.embedder import Embedder
     from moembed.model.io import export_huggingface, export_sentence_transformers
 
-    if format not in ("sentence-transformers", "huggingface", "moembed"):
-        raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers, huggingface or moembed")
+    if format not in EXPORT_FORMATS:
+        raise MoembedError(f"--format: unknown {format!r}; choose {', '.join(EXPORT_FORMATS)}")
+    if quantize is not None and format != "onnx":
+        raise MoembedError(f"--quantize: applies to --format onnx only, not {format}")
     emb = Embedder.load(model)
     if format == "sentence-transformers":
         export_sentence_transformers(emb, out)
     elif format == "huggingface":
         format = f"huggingface {export_huggingface(emb, out)}"
+    elif format == "onnx":
+        from moembed.model.onnx_export import export_onnx
+
+        format = f"onnx ({', '.join(export_onnx(emb, out, quantize))})"
     else:
         emb.save(out)
     typer.echo(f"moembed: wrote {format} model to {out}", err=True)
