@@ -11,13 +11,13 @@ how to load the directory in its format, and the training recipe, data and evalu
 What a writer knows beyond the model (`CardInfo`) is passed in; what it does not know is inherited from the card
 of the directory the model was read from (`parts.source_dir`): a model saved, exported or finetuned from a
 moembed model keeps its base model, languages, datasets and recipe. A base model read from a Hugging Face or
-sentence-transformers directory becomes the card's `base_model` (its `_name_or_path`, else the directory name).
+sentence-transformers directory becomes the card's `base_model` (its card's title, else the directory's name), in
+its card's languages.
 A README.md in the target that moembed did not write is kept beside the card as README.orig.md (and logged).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -167,8 +167,8 @@ def inherited(parts) -> CardInfo:
     if src is None:
         return CardInfo()
     card = read_card(src / "README.md")
-    if card is None:  # a model moembed did not write: the model itself is the base
-        return CardInfo(base_model=_hf_name(src))
+    if card is None:  # a model moembed did not write: the model itself is the base, in its card's languages
+        return _foreign(src)
     d = card.data
     sections = split_sections(card.text)
     return CardInfo(base_model=d.get("base_model"), languages=_as_list(d.get("language")),
@@ -188,13 +188,19 @@ def read_card(path: Path):
     return card if CARD_TAG in (card.data.get("tags") or []) else None
 
 
-def _hf_name(src: Path) -> str:
-    """A source's `_name_or_path` when it looks like a hub name (org/name), else its directory name."""
+def _foreign(src: Path) -> CardInfo:
+    """A source moembed did not write: its name (its card's title, else its directory's name) and languages."""
+    from huggingface_hub import ModelCard
+
+    name, languages = src.resolve().name, []
     try:
-        name = json.loads((src / "config.json").read_text(encoding="utf-8")).get("_name_or_path") or ""
-    except (OSError, ValueError, AttributeError):
-        name = ""
-    return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) else src.resolve().name
+        card = ModelCard.load(src / "README.md")
+        title = next((ln[2:].strip() for ln in card.text.splitlines() if ln.startswith("# ")), "")
+        name = title if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", title) else name
+        languages = _as_list(card.data.get("language"))
+    except Exception:  # noqa: BLE001 - no README, or one that is no card: the directory's name
+        pass
+    return CardInfo(base_model=name, languages=languages)
 
 
 def _as_list(value) -> list[str]:
