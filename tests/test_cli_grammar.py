@@ -97,7 +97,7 @@ def test_choices_mirror_the_library_registries():
     from moembed.data.multilingual import SIZES
     from moembed.data.tokenizers import TokenizerConfig
     from moembed.model.config import EncoderConfig, MoVEConfig
-    from moembed.model.pooling import PRECISIONS
+    from moembed.model.pooling import POOLINGS, PRECISIONS
     from moembed.moee.combine import MODES
     from moembed.moee.extract import ExtractConfig
     from moembed.recipes.config import RECIPE_PRESETS, QuickstartConfig
@@ -110,6 +110,7 @@ def test_choices_mirror_the_library_registries():
 
     args = typing.get_args
     assert args(o.Precision) == PRECISIONS
+    assert args(o.Pooling) == POOLINGS
     assert args(o.Compute) == DTYPES
     assert args(o.ServeCompute) == field(ServeConfig, "dtype")
     assert args(o.InputFormat) == FORMATS

@@ -40,7 +40,7 @@ def encode(
     quiet: o.Quiet = False,
     old_input: Path = o.old_spelling("--input", "-i"),
     old_output: Path = o.old_spelling("--output"),
-    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
+    pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
 ) -> None:
     """Embed texts: one row per input text, float32 unless another precision is asked.
 

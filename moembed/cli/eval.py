@@ -77,7 +77,7 @@ def eval_cmd(
     device: str = o.device_option(),
     dtype: o.Compute = typer.Option("float32", help="compute precision: bf16 autocast; int8 dynamic matmuls (CPU)"),
     quiet: o.Quiet = False,
-    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
+    pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm

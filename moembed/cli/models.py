@@ -16,12 +16,9 @@ def register(app: typer.Typer) -> None:
 
 def count_parameters(emb) -> tuple[int, int]:
     """(total, active per token): in an MoE layer only top_k of num_experts experts run for each token."""
-    total = sum(p.numel() for p in emb.encoder.parameters())
-    moe = emb.config.moe
-    if moe is None:
-        return total, total
-    expert = sum(p.numel() for n, p in emb.encoder.named_parameters() if ".mlp.experts" in n)
-    return total, total - expert + expert * moe.top_k // moe.num_experts
+    from moembed.model.card import parameter_counts
+
+    return parameter_counts(emb.config, dict(emb.encoder.named_parameters()))
 
 
 def describe_positions(c) -> str:
@@ -36,7 +33,7 @@ def info(
     model: str = typer.Argument(..., help="model directory"),
     probe: Path = typer.Option(None, "--probe", help="texts (one JSON string per line) to measure MoE expert load on"),
     plain: bool = typer.Option(False, "--plain", help="read --probe as plain text lines"),
-    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
+    pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
 ) -> None:
     """Architecture, parameter counts, dimensions, prefixes and maximum length of a model."""
     from moembed.model.embedder import Embedder
@@ -91,16 +88,19 @@ def _probe(emb, path: Path, plain: bool) -> None:
 def export(
     model: str = typer.Argument(..., help="model directory"),
     format: o.ExportFormat = typer.Option("sentence-transformers", "--format",
-                                          help="huggingface: the family's own layout"),
+                                          help="huggingface: the family's own layout; onnx: onnx/model.onnx in a "
+                                          "sentence-transformers directory"),
     out: Path = o.out_option("output directory"),
+    quantize: o.Quantize = typer.Option(None, "--quantize", help="onnx: also write an int8 graph (ONNX Runtime's "
+                                         "dynamic quantiser)"),
 ) -> None:
-    """Convert a model to another format."""
+    """Convert a model to another format, with a model card (README.md)."""
     from moembed.errors import MoembedError
     from moembed.model.embedder import Embedder
     from moembed.model.io import export_huggingface, export_sentence_transformers
 
-    if format not in ("sentence-transformers", "huggingface", "moembed"):
-        raise MoembedError(f"--format: unknown {format!r}; choose sentence-transformers, huggingface or moembed")
+    if quantize is not None and format != "onnx":
+        raise MoembedError(f"--quantize: applies to --format onnx only, not {format}")
     from moembed.data.calibration import ensure_calibration
 
     emb = Embedder.load(model)
@@ -109,6 +109,10 @@ def export(
         export_sentence_transformers(emb, out)
     elif format == "huggingface":
         format = f"huggingface {export_huggingface(emb, out)}"
+    elif format == "onnx":
+        from moembed.model.onnx_export import export_onnx
+
+        format = f"onnx ({', '.join(export_onnx(emb, out, quantize))})"
     else:
         emb.save(out)
     typer.echo(f"moembed: wrote {format} model to {out}", err=True)

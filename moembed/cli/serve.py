@@ -43,7 +43,7 @@ def serve(
     api_key_file: str = typer.Option(None, help="read the API key from the first line of this file (mode 600)"),
     graceful_timeout: float = typer.Option(30.0, help="seconds to finish requests in flight after SIGTERM; then "
                                            "503 for those left and exit"),
-    pooling: str = typer.Option(None, help="mean|cls|last|max|mean_sqrt_len|weightedmean (default: the model's)"),
+    pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
 ) -> None:
     """Serve a model over HTTP: POST /v1/embeddings (OpenAI's shape), /v1/models, /health, /metrics."""
     from moembed.serve.config import ServeConfig

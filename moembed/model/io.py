@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from moembed.errors import MoembedError, config_error
 from moembed.fileio import atomic_dir, atomic_path, recover_dir
+from moembed.model.card import CardInfo, write_card
 from moembed.model.config import EncoderConfig
 from moembed.model.families import FAMILIES, converter_for, exporter_for
 from moembed.model.pooling import POOLINGS
@@ -245,19 +246,21 @@ def store_calibration(path: str | Path, calibration: np.ndarray) -> None:
         _write_calibration(calibration, tmp)
 
 
-def save_parts(parts: ModelParts, path: str | Path) -> None:
-    """Write the moembed format atomically (a temporary directory renamed into place)."""
+def save_parts(parts: ModelParts, path: str | Path, card: CardInfo | None = None) -> None:
+    """Write the moembed format atomically (a temporary directory renamed into place), with its model card
+    (`moembed.model.card`; `card`: what the caller knows of its training and evaluation)."""
     with atomic_dir(Path(path)) as tmp:
         write_parts(parts, tmp)
+        write_card(parts, tmp, "moembed", card, Path(path))
 
 
-def export_sentence_transformers(model, path: str | Path) -> None:
+def export_sentence_transformers(model, path: str | Path, card: CardInfo | None = None) -> None:
     """Write a directory that `SentenceTransformer(path)` loads, from `ModelParts` or a model with `parts()`.
 
     An encoder that a family's Hugging Face format holds (`moembed.model.families`; the family it was read from
     first) becomes a standard Transformer module in that layout. Other encoders (MoE layers, rotary positions,
     SwiGLU, MoVE) get moembed's own first module (`st_module.MoembedEncoder`, loaded with `trust_remote_code=True`)
-    over the moembed files in the directory root; Pooling/Normalize are standard.
+    over the moembed files in the directory root; Pooling/Normalize are standard. A model card goes with it.
     """
     parts = model if isinstance(model, ModelParts) else model.parts()
     family = exporter_for(parts.config)
@@ -265,11 +268,12 @@ def export_sentence_transformers(model, path: str | Path) -> None:
         if family is None:
             write_parts(parts, tmp)
             _write_st_modules(parts, tmp, ST_MODULE)
-            return
-        _write_hf(parts, family, tmp)
+        else:
+            _write_hf(parts, family, tmp)
+        write_card(parts, tmp, "sentence-transformers", card, Path(path))
 
 
-def export_huggingface(model, path: str | Path) -> str:
+def export_huggingface(model, path: str | Path, card: CardInfo | None = None) -> str:
     """Write the encoder in its family's own Hugging Face layout (`AutoModel.from_pretrained(path)` loads it without
     moembed), wrapped with the sentence-transformers files that keep its pooling, normalisation and prompts.
     Returns the family's model_type. An encoder no family can hold raises, saying what stands in the way."""
@@ -282,6 +286,7 @@ def export_huggingface(model, path: str | Path) -> str:
                            "--format sentence-transformers writes it with moembed's own module")
     with atomic_dir(Path(path)) as tmp:
         _write_hf(parts, family, tmp, layout)
+        write_card(parts, tmp, "huggingface", card, Path(path))
     return family.model_type
 
 

@@ -7,8 +7,9 @@ Written into <out>/report/:
     results.json         every model × task × dim × precision result (MTEB-like entries)
     results.md           the full tables
     training_loss.png, expert_load.png, score_vs_dim.png
-    models/moe, models/dense                     moembed format (models/moe/README.md is the model card)
+    models/moe, models/dense                     moembed format
     models/moe-st, models/dense-st               sentence-transformers format
+                                                 (each with its model card, README.md: `quickstart_card`)
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _probe(qs) -> list[str]:
 
 def write_report(qs) -> dict:
     from moembed.model.embedder import Embedder
-    from moembed.model.io import export_sentence_transformers
+    from moembed.model.io import export_sentence_transformers, save_parts
 
     out, report = qs.out, qs.out / "report"
     report.mkdir(parents=True, exist_ok=True)
@@ -139,23 +140,46 @@ def write_report(qs) -> dict:
             parts += ["## Built-in dev suite"] + [(out / "eval-suite" / m / "results.md").read_text() for m in LABELS]
         tmp.write_text("\n\n".join(parts))
     plots = _plots(qs, report, results, full)
-    for kind in ("moe", "dense"):
-        emb = Embedder.load(out / "runs" / kind / "model")
-        emb.save(report / "models" / kind)
-        export_sentence_transformers(emb, report / "models" / f"{kind}-st")
     stages = {p.stem: json.loads(p.read_text()) for p in (out / "stages").glob("*.json")}
     load_lines = _probe(qs)
     decisions = _text.decisions(qs, stages)
+    for kind in ("moe", "dense"):
+        emb = Embedder.load(out / "runs" / kind / "model")
+        card = quickstart_card(qs, kind, results[kind], table, verdict(summary), stages, load_lines, decisions)
+        save_parts(emb.parts(), report / "models" / kind, card)
+        export_sentence_transformers(emb, report / "models" / f"{kind}-st", card)
     test_sets = stages.get("data", {}).get("test_sets")
     language_text = _text.languages(summary, test_sets) if test_sets else None
     with atomic_path(report / "README.md") as tmp:
         tmp.write_text(_text.report(qs, table, verdict(summary), plots, stages, load_lines, decisions,
                                           suite_table, language_text))
-    with atomic_path(report / "models" / "moe" / "README.md") as tmp:
-        tmp.write_text(_text.model_card(qs, table, summary, verdict(summary), stages, load_lines, decisions))
     groups = _text.group_summary(summary, test_sets) if test_sets else None
     return {"summary": summary, "verdict": verdict(summary), "table": table, "decisions": decisions,
             "suite_table": suite_table, "languages": language_text, "groups": groups}
+
+
+def quickstart_card(qs, kind: str, results: list[dict], table: str, verdict_text: str, stages: dict,
+                    load_lines: list[str], decisions: dict):
+    """What the model cards of the quickstart's finetuned models say beyond the model (`moembed.model.card`): the
+    base model, languages and data, the recipe and its decisions, the evaluation (model-index: this model's own
+    nDCG@10 per test set) and, for the MoE model, its expert load."""
+    from moembed.model.card import CardInfo
+
+    base = base_label(qs)[: -len(" (base)")]
+    what = "upcycled to a sparse Mixture-of-Experts encoder and finetuned" if kind == "moe" else "finetuned"
+    warning = f"\n\n**Warning:** {decisions['warning']}" if decisions.get("warning") else ""
+    test_sets = (stages.get("data", {}).get("test_sets") or {}).values()  # the multilingual preset's, with languages
+    languages = sorted({t[k] for t in test_sets for k in ("query_lang", "doc_lang") if t.get(k)})
+    languages = languages or ([] if qs.cfg.user_data else ["en"])  # the built-in English data, or unknown
+    sections = {"Expert load (test documents)": "\n".join(f"    {x}" for x in load_lines)} if kind == "moe" else {}
+    return CardInfo(
+        base_model=base, languages=languages, datasets=sorted(stages.get("data", {}).get("datasets", {})),
+        summary=(f"A text-embedding model made by `moembed quickstart`: {base} {what} contrastively with mined hard "
+                 f"negatives (the Nomic Embed v2 recipe at laptop scale). Matryoshka dimensions {qs.matryoshka_dims} "
+                 "were trained; prefixes `search_query: `, `search_document: `, `classification: `, `clustering: `."),
+        training=_text.settings(qs) + "\n" + _text._decision_lines(decisions), data=_text.data_lines(stages),
+        results=results, evaluation=f"nDCG@10 ×100 on the held-out test sets.\n\n{table}\n\n{verdict_text}{warning}",
+        sections=sections)
 
 
 def print_headline(result: dict) -> None:

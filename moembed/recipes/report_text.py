@@ -1,4 +1,5 @@
-"""The words of the quickstart report: settings, the recipe's decisions, data tables, README and model card.
+"""The words of the quickstart report: settings, the recipe's decisions, data tables and README (the model cards' are
+`report.quickstart_card`'s, written by `moembed.model.card`).
 
 `decisions(qs, stages)` gathers what the recipe chose for the user — split sizes, how many pairs consistency
 filtering kept per source, negatives per query, steps, learning rate — and the data-scale warning; the report and
@@ -217,22 +218,3 @@ def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_
         "- `models/moe`, `models/dense`: moembed format; `models/moe-st`, `models/dense-st`: sentence-transformers format\n"
     )
 
-
-def model_card(qs, table, summary, verdict_text, stages, load_lines, decisions) -> str:
-    m = summary["moe"]
-    base = base_label(qs)[: -len(" (base)")]
-    warning = f"\n\n**Warning:** {decisions['warning']}" if decisions.get("warning") else ""
-    return (
-        f"# {qs.base_name}-moe\n\nA sparse Mixture-of-Experts text-embedding model made by `moembed quickstart`: "
-        f"{base} upcycled to an MoE encoder and finetuned contrastively with mined hard negatives "
-        "(the Nomic Embed v2 recipe at laptop scale).\n\n"
-        "## Use\n\n```python\nfrom moembed import Embedder\nm = Embedder.load(\"models/moe\")\n"
-        "q = m.encode([\"how do plants make food\"], prompt_name=\"search_query\")\n"
-        "d = m.encode([\"Photosynthesis turns light into chemical energy.\"], prompt_name=\"search_document\")\n```\n\n"
-        "Prefixes: `search_query: `, `search_document: `, `classification: `, `clustering: `. Matryoshka dimensions "
-        f"{qs.matryoshka_dims} were trained. A sentence-transformers copy is in `../moe-st`: `SentenceTransformer(\"models/moe-st\", trust_remote_code=True)` (its encoder module is moembed's own, so moembed must be installed).\n\n"
-        "## Training\n\n" + settings(qs) + "\n" + _decision_lines(decisions) + "\n\n## Data\n\n" + data_lines(stages) +
-        f"\n\n## Scores (nDCG@10 ×100, held-out test sets)\n\n{table}\n\n"
-        f"Mean at full dimension: {100 * m['full']:.1f}. {verdict_text}{warning}\n\n"
-        "## Expert load (test documents)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n"
-    )
