@@ -251,3 +251,30 @@ def test_cli_upcycle_groups_and_info_probe_with_labels(tmp_path, tiny_dir):
     probe.write_text(json.dumps({"text": "no label here"}) + "\n")
     res = runner.invoke(app, ["info", str(tmp_path / "moe"), "--probe", str(probe), "--label", "lang"])
     assert isinstance(res.exception, MoembedError) and f"{probe}:1" in str(res.exception) and "lang" in str(res.exception)
+
+
+# ---- the quickstart's `upcycling:` keys --------------------------------------------------------------------------
+
+
+def test_quickstart_upcycling_keys_reach_the_model(tmp_path, tiny_dir):
+    from types import SimpleNamespace
+
+    from moembed.model.embedder import Embedder
+    from moembed.recipes import training
+    from moembed.recipes.config import load_quickstart_config
+    from moembed.recipes.report_text import upcycling
+
+    (tmp_path / "qs.yaml").write_text("experts: 8\ntop_k: 4\nupcycling: {granularity: 4, balance_rate: 0.01}\n")
+    cfg = load_quickstart_config(tmp_path / "qs.yaml")
+    qs = SimpleNamespace(cfg=cfg, base=tiny_dir, base_name="tiny", out=tmp_path / "out")
+    training.upcycle(qs)
+    moe = Embedder.load(tmp_path / "out" / "models" / "moe-init").config.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_size, moe.balance_rate) == (8, 4, 16, 0.01)
+    assert upcycling(cfg) == ("8 experts, top-4, in 2 virtual groups of 4 slices each 1/4 of the MLP (He et al. "
+                              "2024), renormalised gates, auxiliary-loss-free balancing, bias step 0.01")
+    (tmp_path / "bad.yaml").write_text("upcycling: {granularity: 3}\n")
+    with pytest.raises(MoembedError, match=r"upcycling.granularity \(3\) must divide experts \(8\)"):
+        load_quickstart_config(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("upcycling: {router: kmeans}\n")
+    with pytest.raises(MoembedError, match="upcycling.router"):
+        load_quickstart_config(tmp_path / "bad.yaml")

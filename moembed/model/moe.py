@@ -117,7 +117,7 @@ class MoEBlock(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
         probs = logits.softmax(dim=-1)
         score = probs if self.balance_rate == 0 else logits + self.balance_bias
-        experts = score.sort(dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # (N, k)
+        experts = score.sort(dim=-1, descending=True, stable=True).indices[:, : self.top_k].contiguous()  # (N, k)
         gates = probs.gather(1, experts)  # (N, k)
         if self.balance_rate > 0 and self.training:
             self.balance_counts += torch.bincount(experts.flatten(), minlength=self.num_experts)
