@@ -34,6 +34,8 @@ def info(
     probe: Path = typer.Option(None, "--probe", help="texts (one JSON string per line) to measure MoE expert load on"),
     plain: bool = typer.Option(False, "--plain", help="read --probe as plain text lines"),
     pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
+    label: str = typer.Option(None, "--label", help="with --probe: lines are JSON objects {\"text\": ..., KEY: ...}; "
+                              "also the mutual information between chosen expert and the label under KEY"),
 ) -> None:
     """Architecture, parameter counts, dimensions, prefixes and maximum length of a model."""
     from moembed.model.embedder import Embedder
@@ -66,22 +68,39 @@ def info(
     for k, v in rows:
         typer.echo(f"{k:<{w}}  {v}")
     if probe is not None:
-        _probe(emb, probe, plain)
+        _probe(emb, probe, plain, label)
 
 
-def _probe(emb, path: Path, plain: bool) -> None:
-    """Per-layer expert load and router entropy over the texts of a file."""
+def _labelled_texts(path: Path, key: str) -> tuple[list[str], list[str]]:
+    """Texts and labels of a JSONL file of objects {"text": ..., key: ...}."""
+    from moembed.errors import MoembedError
+    from moembed.fileio import iter_jsonl
+
+    texts, labels = [], []
+    for i, r in iter_jsonl(path):
+        if not isinstance(r, dict) or not isinstance(r.get("text"), str) or key not in r:
+            raise MoembedError(f'{path}:{i}: --label {key}: expected an object with a string "text" and a "{key}"')
+        texts.append(r["text"])
+        labels.append(str(r[key]))
+    return texts, labels
+
+
+def _probe(emb, path: Path, plain: bool, label: str | None = None) -> None:
+    """Per-layer expert load and router entropy over the texts of a file; expert divergence, and with `label` the
+    mutual information between expert and label (moembed.model.diagnostics)."""
     from moembed.errors import MoembedError
     from moembed.fileio import read_texts
-    from moembed.model.utilisation import format_report, probe
+    from moembed.model.diagnostics import diagnose, format_diagnostics
+    from moembed.model.utilisation import format_report
 
     if emb.config.moe is None:
         raise MoembedError(f"--probe: {emb.name} has no MoE layers")
-    texts = read_texts(path, plain=plain)
+    texts, labels = _labelled_texts(path, label) if label else (read_texts(path, plain=plain), None)
     if not texts:
         raise MoembedError(f"{path}: no texts")
+    rows = diagnose(emb, texts, labels)
     typer.echo(f"expert load over {len(texts)} texts of {path}:")
-    for line in format_report(probe(emb, texts)):
+    for line in format_report([r.utilisation for r in rows]) + format_diagnostics(rows):
         typer.echo(f"  {line}")
 
 

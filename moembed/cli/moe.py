@@ -22,22 +22,36 @@ def upcycle(
     offset: int = typer.Option(1, "--offset", help="0-based index of the first MoE layer within each group of --every"),
     noise: float = typer.Option(0.0, "--noise", help="Gaussian noise on expert copies, std relative to the weight's"),
     renormalize: bool = typer.Option(True, "--renormalize/--no-renormalize", help="rescale top-k gates to sum to 1"),
-    seed: int = typer.Option(0, "--seed", help="seed of the router initialisation and noise"),
+    seed: int = typer.Option(0, "--seed", help="seed of the router initialisation, noise and re-initialisation"),
+    granularity: int = typer.Option(1, "--granularity", help="G > 1: virtual groups of G experts, each a 1/G slice "
+                                    "of the MLP (fine-grained upcycling; G divides --experts and --top-k)"),
+    reinit: float = typer.Option(0.0, "--reinit", help="ratio of each expert's hidden units re-drawn (Drop-Upcycling)"),
+    router_init: str = typer.Option("random", "--router-init", help="random | kmeans (centroids of the layer's "
+                                    "input token states over --kmeans-texts)"),
+    kmeans_texts: Path = typer.Option(None, "--kmeans-texts", help="texts (one JSON string per line) for --router-init kmeans"),
+    balance_rate: float = typer.Option(0.0, "--balance-rate", help="auxiliary-loss-free balancing: bias step u per "
+                                       "optimizer step (0: off)"),
 ) -> None:
-    """Copy each replaced dense MLP into all experts of its layer, with a fresh router, and save."""
+    """Turn each chosen dense MLP into an MoE block (copies, or virtual groups of slices), with a fresh router, and
+    save (docs/moe.md, "Upcycling options")."""
     from moembed.cli.models import count_parameters
     from moembed.data.calibration import ensure_calibration
+    from moembed.fileio import read_texts
     from moembed.model.convert.upcycle import upcycle as do_upcycle
     from moembed.model.embedder import Embedder
 
     dense = Embedder.load(model)
-    moe = do_upcycle(dense, experts, top_k, every, offset=offset, renormalize=renormalize, noise=noise, seed=seed)
+    texts = read_texts(kmeans_texts) if kmeans_texts is not None else None
+    moe = do_upcycle(dense, experts, top_k, every, offset=offset, renormalize=renormalize, noise=noise, seed=seed,
+                     granularity=granularity, reinit=reinit, router_init=router_init, kmeans_texts=texts,
+                     balance_rate=balance_rate)
     typer.echo(f"moembed: {ensure_calibration(moe)}", err=True)
     moe.save(out)
     total, active = count_parameters(moe)
     layers = [i + 1 for i in moe.config.moe_layers()]
     typer.echo(
-        f"moembed: wrote {out}: {experts} experts top-{top_k} on layers {layers}; "
+        f"moembed: wrote {out}: {experts} experts top-{top_k}{f' in groups of {granularity}' if granularity > 1 else ''} "
+        f"on layers {layers}; "
         f"{total:,} parameters, {active:,} active per token",
         err=True,
     )

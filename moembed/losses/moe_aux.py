@@ -91,3 +91,11 @@ def router_z_loss(
         logits = real_token_logits(logits, attention_mask)
         losses.append(torch.logsumexp(logits, dim=-1).square().mean() if logits.shape[0] else logits.sum() * 0.0)
     return torch.stack(losses).mean()
+
+
+def balance_bias_step(counts: torch.Tensor, rate: float) -> torch.Tensor:
+    """Auxiliary-loss-free balancing's update of the selection bias (Wang et al. 2024, arXiv 2408.15664, Alg. 1;
+    DeepSeek-V3 §2.1.2): Δb_i = u · sign(mean_j c_j − c_i) from one step's assignments c (E,) per expert, so an
+    overloaded expert's bias falls and an idle one's rises. No gradient: the bias only chooses, never weighs."""
+    c = counts.detach().float()
+    return rate * torch.sign(c.mean() - c)  # (E,)

@@ -36,6 +36,13 @@ class MoEConfig(_Strict):
     output_bias: bool = False
     capacity_factor: float | None = Field(None, gt=0)  # None: dropless
     router_jitter: float = Field(0.0, ge=0)
+    # Hidden units of each expert (None: EncoderConfig.intermediate_size). Fine-grained upcycling gives each expert
+    # a 1/G slice of the dense MLP (He et al. 2024, arXiv 2410.07524; moembed.model.convert.upcycle).
+    expert_size: int | None = Field(None, ge=1)
+    # Auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664; DeepSeek-V3 §2.1.2): a per-expert bias
+    # added to the logits only to choose the experts (never to the gates), moved after every optimizer step by
+    # balance_rate · sign(mean load − load). 0: off (no bias buffer).
+    balance_rate: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "MoEConfig":

@@ -91,7 +91,14 @@ class MoEBlock(nn.Module):
         self.renormalize, self.capacity_factor, self.jitter = moe.renormalize, moe.capacity_factor, moe.router_jitter
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
         expert_bias = config.bias if moe.expert_bias is None else moe.expert_bias
-        self.experts = Experts(moe.num_experts, config.hidden_size, config.intermediate_size, config.mlp, expert_bias)
+        width = moe.expert_size or config.intermediate_size
+        self.experts = Experts(moe.num_experts, config.hidden_size, width, config.mlp, expert_bias)
+        # Auxiliary-loss-free balancing (`MoEConfig.balance_rate`): the selection bias, saved with the model, and the
+        # assignments counted in training since the last update (`moembed.train.loop.update_balance_biases`).
+        self.balance_rate = moe.balance_rate
+        if self.balance_rate > 0:
+            self.register_buffer("balance_bias", torch.zeros(moe.num_experts))
+            self.register_buffer("balance_counts", torch.zeros(moe.num_experts), persistent=False)
         # Shared bias after combination (`MoEConfig.output_bias`); zero-initialised as the other biases.
         self.output_bias = nn.Parameter(torch.zeros(config.hidden_size)) if moe.output_bias else None
         self.dispatch_mode: Dispatch = dispatch_mode
@@ -99,13 +106,21 @@ class MoEBlock(nn.Module):
     # ---- the four steps ----------------------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor) -> Routing:
-        """Router logits, top-k experts and gates. The router runs in float32 (small, and softmax-sensitive)."""
+        """Router logits, top-k experts and gates. The router runs in float32 (small, and softmax-sensitive).
+
+        Experts whose logits tie exactly (the identical router rows of a virtual group, `convert.upcycle`) are
+        ranked by index: the choice is a stable descending sort, so a group of contiguous tied experts is taken
+        or left whole. With `balance_rate` the selection bias is added to the logits to choose, not to the gates."""
         if self.training and self.jitter > 0:  # Switch Transformer's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
         probs = logits.softmax(dim=-1)
-        gates, experts = probs.topk(self.top_k, dim=-1)  # (N, k) each
+        score = probs if self.balance_rate == 0 else logits + self.balance_bias
+        experts = score.sort(dim=-1, descending=True, stable=True).indices[:, : self.top_k].contiguous()  # (N, k)
+        gates = probs.gather(1, experts)  # (N, k)
+        if self.balance_rate > 0 and self.training:
+            self.balance_counts += torch.bincount(experts.flatten(), minlength=self.num_experts)
         if self.renormalize:
             gates = gates / gates.sum(dim=-1, keepdim=True)
         return Routing(logits, gates, experts)

@@ -142,6 +142,22 @@ class QuickEval(_Strict):
     suite_datasets: list[str] | None = None
 
 
+class Upcycling(_Strict):
+    """How the base's MLPs become experts (moembed.model.convert.upcycle; docs/moe.md, "Upcycling options").
+
+    granularity G > 1: virtual groups of G experts, each a 1/G slice of the MLP, the model's `experts` and `top_k`
+    counting the slices (8 experts top-4 at G = 4: two groups, the dense model's active parameters); the block
+    reproduces the dense MLP at step 0 and the router gets the task loss's gradient (He et al. 2024)."""
+
+    granularity: int = Field(1, ge=1)
+    renormalize: bool = True  # off: the softmax probabilities of the chosen experts as gates (nomic-embed-v2 layout)
+    noise: float = Field(0.0, ge=0)  # Gaussian noise on the experts, std relative to the weight's own
+    reinit: float = Field(0.0, ge=0, le=1)  # Drop-Upcycling: ratio of each expert's hidden units re-drawn
+    router_init: Literal["random", "kmeans"] = "random"  # kmeans: centroids of the layer's input token states
+    kmeans_texts: int = Field(2000, ge=1)  # training texts (queries and documents) sampled for the k-means
+    balance_rate: float = Field(0.0, ge=0)  # auxiliary-loss-free balancing's bias step (0: off)
+
+
 class QuickstartConfig(_Strict):
     preset: str = "english"
     datasets: list[str] = Field(["news", "wordnet", "gcide", "freedict-deu-eng", "chatterbot"], min_length=1)
@@ -157,6 +173,7 @@ class QuickstartConfig(_Strict):
     experts: int = Field(8, ge=1)
     top_k: int = Field(2, ge=1)
     every: int = Field(2, ge=1)
+    upcycling: Upcycling = Upcycling()
     nproc: int = Field(1, ge=1)  # training processes (torchrun) per model
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # teacher, training, evaluation; auto: the GPU if any
     data_suite: str | None = None  # a DATA_SUITES name: its sources and test sets replace `datasets`
@@ -181,6 +198,9 @@ class QuickstartConfig(_Strict):
             raise ValueError(f"train.batch_size ({self.train.batch_size}) must be divisible by nproc ({self.nproc})")
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) must not exceed experts ({self.experts})")
+        g = self.upcycling.granularity
+        if self.experts % g or self.top_k % g:
+            raise ValueError(f"upcycling.granularity ({g}) must divide experts ({self.experts}) and top_k ({self.top_k})")
         if self.data.negatives == "given" and self.filter_top_k is None and not self.data.files:
             raise ValueError("data.negatives: 'given' needs data.files")
         return self

@@ -106,17 +106,22 @@ def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[
 
 
 def _probe(qs) -> list[str]:
-    """Expert load per MoE layer of the finetuned model on the test documents."""
+    """Per MoE layer of the finetuned model on the test documents: expert load and router entropy, the experts'
+    divergence, and the mutual information between expert and test set (moembed.model.diagnostics)."""
     from moembed.eval.registry import load_task
+    from moembed.model.diagnostics import diagnose, format_diagnostics
     from moembed.model.embedder import Embedder
-    from moembed.model.utilisation import format_report, probe
+    from moembed.model.utilisation import format_report
     from moembed.recipes.curation import held_out_dirs
 
-    texts = []
-    for path in held_out_dirs(qs).values():
-        texts += list(load_task(path).data["corpus"].values())[:200]
+    texts, labels = [], []
+    for name, path in held_out_dirs(qs).items():
+        docs = list(load_task(path).data["corpus"].values())[:200]
+        texts += docs
+        labels += [name] * len(docs)
     model = Embedder.load(qs.out / "runs" / "moe" / "model", device=qs.cfg.device)
-    return format_report(probe(model, texts, prefix="search_document: "))
+    rows = diagnose(model, texts, labels, prefix="search_document: ")
+    return format_report([r.utilisation for r in rows]) + format_diagnostics(rows)
 
 
 def write_report(qs) -> dict:

@@ -149,6 +149,25 @@ def _decision_lines(d: dict) -> str:
     return "\n".join(lines)
 
 
+def upcycling(c) -> str:
+    """The upcycling in words: experts, top-k, groups, gates and the other options that are on."""
+    u = c.upcycling
+    parts = [f"{c.experts} experts, top-{c.top_k}"]
+    if u.granularity > 1:
+        parts.append(f"in {c.experts // u.granularity} virtual groups of {u.granularity} slices each 1/{u.granularity} "
+                     "of the MLP (He et al. 2024)")
+    parts.append("renormalised gates" if u.renormalize else "softmax gates, not renormalised")
+    if u.router_init == "kmeans":
+        parts.append(f"routers from k-means centroids over {u.kmeans_texts} training texts")
+    if u.reinit:
+        parts.append(f"{u.reinit:g} of each expert's hidden units re-drawn (Drop-Upcycling)")
+    if u.noise:
+        parts.append(f"noise {u.noise:g}")
+    if u.balance_rate:
+        parts.append(f"auxiliary-loss-free balancing, bias step {u.balance_rate:g}")
+    return ", ".join(parts)
+
+
 def settings(qs) -> str:
     c, t = qs.cfg, qs.cfg.train
     bf16 = "on" if t.bf16_on(qs.device.type) else "off"
@@ -167,7 +186,7 @@ def settings(qs) -> str:
              "(nomic-embed-v2 Table 2)\n") if c.sampler_alpha else ""
     return stage1 + alpha + (
         f"- base: {base_label(qs)[: -len(' (base)')]} ({qs.width} wide); MoE: every {c.every}nd MLP upcycled to "
-        f"{c.experts} experts, top-{c.top_k}, renormalised gates (nomic-embed-v2 §4.3)\n"
+        f"{upcycling(c)} (docs/moe.md, \"Upcycling options\")\n"
         f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), on {kept(c.filter_top_k)} "
         f"with {t.hard_negatives} mined hard negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims "
         f"{qs.matryoshka_dims}, load-balancing α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with "
@@ -212,7 +231,7 @@ def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_
         "## What the recipe decided\n\n" + _decision_lines(decisions) + "\n\n" + suite +
         "## Settings\n\n" + settings(qs) + f"\nTotal time of the stages: {secs / 60:.1f} minutes.\n\n"
         "## Data\n\n" + data_lines(stages) + "\n\n"
-        "## Expert load of the finetuned MoE model (test documents)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n\n"
+        "## Expert load and diagnostics of the finetuned MoE model (test documents; MI label: the test set)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n\n"
         "## Plots\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n\n"
         "## Files\n\n- `results.json`, `results.md`: every model × test set × dimension × precision\n"
         "- `models/moe`, `models/dense`: moembed format; `models/moe-st`, `models/dense-st`: sentence-transformers format\n"

@@ -83,16 +83,34 @@ def upcycle(qs) -> dict:
     dense.encoder.config = dense.config.model_copy(update={"attention_dropout": 0.0})
     for layer in dense.encoder.layers:
         layer.attention_dropout = 0.0
-    c = qs.cfg
+    c, u = qs.cfg, qs.cfg.upcycling
+    texts = kmeans_texts(qs, u.kmeans_texts) if u.router_init == "kmeans" else None
     # int8 ranges of both starting models from a sample of the training pool; noiseless upcycling keeps them exactly
     queries, documents = training_sample(train_config(qs, "dense").data, c.seed)
     dense.calibrate(queries + documents)  # each text with its prefix, as trained
-    moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed)
+    moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed, renormalize=u.renormalize, noise=u.noise,
+                 granularity=u.granularity, reinit=u.reinit, router_init=u.router_init, kmeans_texts=texts,
+                 balance_rate=u.balance_rate)
     moe.name = f"{qs.base_name}-moe"
     moe.save(qs.out / "models" / "moe-init")
     dense.name = f"{qs.base_name}-dense"
     dense.save(qs.out / "models" / "dense-init")
     return {"moe_layers": [i + 1 for i in moe.config.moe_layers()], "width": dense.dim}
+
+
+def kmeans_texts(qs, n: int) -> list[str]:
+    """Up to n training texts for the routers' k-means (`upcycling.router_init: kmeans`): the curated pairs'
+    queries and documents with their task prefixes, a random sample (seeded) over all training sources."""
+    import random
+
+    from moembed.fileio import iter_jsonl
+
+    texts = []
+    for s in qs.stage_result("curate")["train_sources"]:
+        for _, r in iter_jsonl(qs.out / "train" / f"{s}.jsonl"):
+            texts += [PROMPTS["search_query"] + r["query"], PROMPTS["search_document"] + r["document"]]
+    random.Random(qs.cfg.seed).shuffle(texts)
+    return texts[:n]
 
 
 def run_name(kind: str, stage: str) -> str:

@@ -81,6 +81,16 @@ class Metrics:
             self.fh.close()
 
 
+def update_balance_biases(blocks) -> None:
+    """Auxiliary-loss-free balancing (`MoEConfig.balance_rate`): each block's selection bias moves by
+    u · sign(mean load − load), the load counted over this step's forward passes on every rank."""
+    from moembed.losses.moe_aux import balance_bias_step
+
+    for m in blocks:
+        counts = dist.all_reduce_sum(m.balance_counts.clone())  # (E,) all ranks
+        m.balance_bias += balance_bias_step(counts, m.balance_rate).to(m.balance_bias)
+
+
 class Trainer:
     """One run's stage, model, optimizer, scheduler, data stream and checkpoints; `train()` drives it step by step.
 
@@ -117,6 +127,9 @@ class Trainer:
         MoembedError naming the step, the rank(s) and the last good checkpoint.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        balancing = [m for m in self.module.modules() if getattr(m, "balance_rate", 0) > 0]
+        for m in balancing:
+            m.balance_counts.zero_()
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
         with amp:
             rec, items = self.stage.step(self.module, self.stream, self.device, self.step, self.rank)
@@ -133,6 +146,7 @@ class Trainer:
         rec["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
+        update_balance_biases(balancing)
         self.step += 1
         return rec, items
 

@@ -1,0 +1,249 @@
+"""Does the MoE beat its dense control? Each upcycling option against the dense model, same data, steps, batches.
+
+    python benchmarks/moe_vs_dense.py --out /tmp/moe-study --options dense,copies,groups --seeds 0,1 --workers 2
+
+The quickstart's stages, through its public functions: the data and curated pools are built once (seed 0) in
+OUT/shared; then every (option, seed) run gets its own directory that links them, upcycles the base
+(`moembed.recipes.training.upcycle`, the option's `upcycling:` keys), trains the one model it is about
+(`training.train`) and evaluates it at full dimension in float32 on the recipe's held-out test sets and on the
+built-in dev suite (`moembed.eval.suite`, retrieval tasks of `--suite-datasets` plus its reranking, classification,
+clustering and pair tasks). A seed changes the router initialisation and the order of batches, not the data.
+
+Per run, OUT/runs/<option>-s<seed>/result.json: nDCG@10 per test set, dev-suite main scores, total and active
+parameters, training and encoding seconds, the router's gradient norm from InfoNCE alone (no auxiliary loss) on
+one training batch before and after training, and the diagnostics of `moembed.model.diagnostics` (divergence,
+entropy, load, mutual information between expert and training source) on a sample of training texts.
+OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds.
+
+Options (OPTIONS): dense (the control), copies (today's upcycling: 8 copies, top-2), groups (virtual groups:
+G = 4 quarter-wide slices, 2 copies, top-4: the dense model's active parameters), groups-kmeans (the same with
+routers from k-means centroids), copies-top1 (8 copies top-1, gates not renormalised: Switch routing), copies-free
+(copies with auxiliary-loss-free balancing instead of the aux loss), copies-reinit (Drop-Upcycling r = 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+OPTIONS: dict[str, dict] = {
+    "dense": {},
+    "copies": {"experts": 8, "top_k": 2},
+    "groups": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4}},
+    "groups-kmeans": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "kmeans"}},
+    "copies-top1": {"experts": 8, "top_k": 1, "upcycling": {"renormalize": False}},
+    "copies-free": {"experts": 8, "top_k": 2, "upcycling": {"balance_rate": 0.001}, "train": {"aux_loss_coef": 0.0}},
+    "copies-reinit": {"experts": 8, "top_k": 2, "upcycling": {"reinit": 0.5}},
+}
+
+
+def config(args, option: str, seed: int):
+    from moembed.recipes.config import QuickstartConfig
+
+    doc = {"size": args.size, "seed": seed, "device": "cpu", "eval": {"precisions": ["float32"], "suite": False}}
+    over = dict(OPTIONS[option])
+    train = {**over.pop("train", {}), **({"steps": args.steps} if args.steps else {}),
+             **({"batch_size": args.batch_size} if args.batch_size else {})}
+    return QuickstartConfig(**{**doc, **over, "train": train})
+
+
+def write_stage(qs, name: str, result: dict) -> None:
+    qs.stages.mkdir(parents=True, exist_ok=True)
+    (qs.stages / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def prepare(args) -> Path:
+    """The data and curated pools, once, in OUT/shared (reused when there)."""
+    from moembed.recipes.quickstart import Quickstart
+
+    shared = args.out / "shared"
+    qs = Quickstart(config(args, "dense", 0), shared, progress=False)
+    for name, fn in (("data", qs.build_data), ("curate", qs.curate)):
+        if not (qs.stages / f"{name}.json").exists():
+            t = time.perf_counter()
+            result = fn()
+            result["seconds"] = round(time.perf_counter() - t, 1)
+            write_stage(qs, name, result)
+    from moembed.eval.suite import build_suite
+
+    build_suite(args.out / "dev-suite", 0, args.suite_datasets)
+    return shared
+
+
+def router_gradient(model, pairs: list[dict]) -> list[float]:
+    """‖∂InfoNCE/∂W_router‖ per MoE layer on one batch of training pairs (eval mode, no auxiliary loss)."""
+    from moembed.losses.config import LossConfig
+    from moembed.model.diagnostics import router_grad_norms
+    from moembed.model.embedder import NOMIC_PROMPTS as P
+    from moembed.train.step import contrastive_step
+
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    q = model.tokenizer([P["search_query"] + r["query"] for r in pairs])
+    d = model.tokenizer([P["search_document"] + r["document"] for r in pairs])
+    contrastive_step(model, q, d, None, LossConfig(aux_loss_coef=0.0, z_loss_coef=0.0, num_hard_negatives=0))
+    norms = router_grad_norms(model)
+    model.zero_grad(set_to_none=True)
+    return norms
+
+
+def run(args, option: str, seed: int) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from moembed.cli.models import count_parameters
+    from moembed.eval.registry import load_task
+    from moembed.eval.runner import View, run_task
+    from moembed.eval.suite import build_suite
+    from moembed.fileio import iter_jsonl
+    from moembed.model.diagnostics import diagnose
+    from moembed.model.embedder import Embedder
+    from moembed.recipes import training
+    from moembed.recipes.curation import held_out_dirs
+    from moembed.recipes.quickstart import Quickstart
+
+    out = args.out / "runs" / f"{option}-s{seed}"
+    if (out / "result.json").exists():
+        return json.loads((out / "result.json").read_text())
+    shared = args.out / "shared"
+    out.mkdir(parents=True, exist_ok=True)
+    for d in ("data", "train"):
+        if not (out / d).exists():
+            (out / d).symlink_to(shared / d)
+    qs = Quickstart(config(args, option, seed), out, progress=False)
+    for name in ("data", "curate"):
+        write_stage(qs, name, json.loads((shared / "stages" / f"{name}.json").read_text()))
+    kind = "dense" if option == "dense" else "moe"
+    training.upcycle(qs)
+    sources = qs.stage_result("curate")["train_sources"]
+    rows = {s: [r for _, r in iter_jsonl(out / "train" / f"{s}.jsonl")] for s in sources}
+    batch = [r for s in sorted(rows) for r in rows[s][:8]][:32]
+    grad0 = router_gradient(Embedder.load(out / "models" / f"{kind}-init"), batch) if kind == "moe" else []
+    t = time.perf_counter()
+    training.train(qs, kind)
+    train_s = time.perf_counter() - t
+    model = Embedder.load(out / "runs" / kind / "model")
+    grad1 = router_gradient(model, batch) if kind == "moe" else []
+    model.eval()
+    total, active = count_parameters(model)
+    view = View(None, "float32", 64)
+    scores, suite, encode_s = {}, {}, 0.0
+    for name, path in held_out_dirs(qs).items():
+        r = run_task(model, load_task(path), view)
+        scores[name], encode_s = r.main_score, encode_s + r.evaluation_time
+    for path in build_suite(args.out / "dev-suite", 0, args.suite_datasets):
+        r = run_task(model, load_task(path), view)
+        suite[path.name], encode_s = r.main_score, encode_s + r.evaluation_time
+    diag = []
+    if kind == "moe":
+        texts = [(s, r["document"]) for s in sorted(rows) for r in rows[s][:100]]
+        diag = [d.as_dict() for d in diagnose(model, [x for _, x in texts], [s for s, _ in texts])]
+    result = {"option": option, "seed": seed, "scores": scores, "suite": suite, "total_params": total,
+              "active_params": active, "train_seconds": round(train_s, 1), "eval_seconds": round(encode_s, 1),
+              "router_grad_step0": grad0, "router_grad_trained": grad1, "diagnostics": diag,
+              "pairs_seen": qs.cfg.train.steps * qs.cfg.train.batch_size, "threads": args.threads}
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    shutil.rmtree(out / "runs" / kind / "checkpoints", ignore_errors=True)
+    return result
+
+
+def spread(xs: list[float]) -> str:
+    m = statistics.fmean(xs)
+    return f"{m:+.2f} [{min(xs):+.2f}, {max(xs):+.2f}]"
+
+
+def summarise(args, results: list[dict]) -> str:
+    """Markdown table of MoE − dense (×100) per option: mean over seeds [min, max], seeds paired."""
+    by = {(r["option"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+    dense = {s: by[("dense", s)] for s in seeds if ("dense", s) in by}
+    tests = sorted(next(iter(dense.values()))["scores"]) if dense else []
+    lines = ["| option | seeds | " + " | ".join(tests) + " | mean test | dev suite | params active / total | "
+             "train s | eval s | router grad step 0 → trained |",
+             "|" + "---|" * (len(tests) + 8)]
+    for option in [o for o in OPTIONS if any(k[0] == o for k in by)]:
+        runs = [(by[(option, s)], dense[s]) for s in seeds if (option, s) in by and s in dense]
+        if not runs:
+            continue
+
+        def gap(f):
+            return [100 * (f(m) - (0 if option == "dense" else f(d))) for m, d in runs]
+
+        cells = [spread(gap(lambda r, t=t: r["scores"][t])) for t in tests]
+        mean_test = gap(lambda r: statistics.fmean(r["scores"].values()))
+        dev = gap(lambda r: statistics.fmean(r["suite"].values()))
+        m = runs[0][0]
+        g0 = [statistics.fmean(r["router_grad_step0"]) for r, _ in runs if r["router_grad_step0"]]
+        g1 = [statistics.fmean(r["router_grad_trained"]) for r, _ in runs if r["router_grad_trained"]]
+        grads = f"{statistics.fmean(g0):.2g} → {statistics.fmean(g1):.2g}" if g0 else "-"
+        label = option + (" (absolute)" if option == "dense" else "")
+        lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + f" | {spread(mean_test)} | {spread(dev)} | "
+                     f"{m['active_params'] / 1e6:.1f}M / {m['total_params'] / 1e6:.1f}M | "
+                     f"{statistics.fmean(r['train_seconds'] for r, _ in runs):.0f} | "
+                     f"{statistics.fmean(r['eval_seconds'] for r, _ in runs):.0f} | {grads} |")
+    return "\n".join(lines)
+
+
+def figure(args, results: list[dict]) -> None:
+    from moembed.figures import new_figure, save_png
+
+    by = {(r["option"], r["seed"]): r for r in results}
+    fig = new_figure((6.0, 3.5))
+    ax = fig.subplots()
+    for i, option in enumerate(o for o in OPTIONS if o != "dense" and any(k[0] == o for k in by)):
+        pts = [(r["pairs_seen"], 100 * (statistics.fmean(r["scores"].values())
+                                        - statistics.fmean(by[("dense", s)]["scores"].values())))
+               for (o, s), r in by.items() if o == option and ("dense", s) in by]
+        ax.scatter([p * (1 + 0.03 * i) for p, _ in pts], [g for _, g in pts], label=option)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training pairs seen (steps × batch)")
+    ax.set_ylabel("MoE − dense, mean nDCG@10 ×100")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save_png(fig, args.out / "gap_vs_pairs.png", bbox_inches="tight")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--options", default="dense,copies,groups")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
+    p.add_argument("--steps", type=int, default=None, help="finetuning steps (default: the quickstart's)")
+    p.add_argument("--batch-size", type=int, default=None, help="finetuning batch (default: the quickstart's)")
+    p.add_argument("--suite-datasets", default="gcide", help="dev suite retrieval corpora, comma-separated")
+    p.add_argument("--workers", type=int, default=1, help="runs at a time, each in its own process")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / workers)")
+    p.add_argument("--summarise-only", action="store_true", help="only rebuild the table and figure from OUT/runs")
+    args = p.parse_args()
+    args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    options = args.options.split(",")
+    bad = [o for o in options if o not in OPTIONS]
+    if bad:
+        sys.exit(f"unknown options {bad}; choose from {', '.join(OPTIONS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if not args.summarise_only:
+        prepare(args)
+        jobs = [(o, s) for s in seeds for o in options]
+        with ProcessPoolExecutor(args.workers) as pool:
+            for r in pool.map(run, [args] * len(jobs), *zip(*jobs)):
+                print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
+                      f"train {r['train_seconds']} s", flush=True)
+    results = [json.loads(f.read_text()) for f in sorted((args.out / "runs").glob("*/result.json"))]
+    table = summarise(args, results)
+    (args.out / "table.md").write_text(table + "\n")
+    figure(args, results)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Upcycling that breaks the experts' symmetry, routing by selection bias, and the MoE diagnostics.
+
+Virtual-group (fine-grained) upcycling must reproduce the dense model at step 0 and still give the router a
+gradient from the task loss; plain copies give none. Diagnostics are checked against values computed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moembed.errors import MoembedError
+from moembed.losses.config import LossConfig
+from moembed.losses.moe_aux import balance_bias_step
+from moembed.model.config import MoEConfig
+from moembed.model.convert.upcycle import expert_weights, upcycle
+from moembed.model.diagnostics import diagnose, expert_divergence, mutual_information, router_grad_norms
+from moembed.model.moe import MoEBlock
+from moembed.model.presets import tiny_config
+from moembed.train.loop import update_balance_biases
+from moembed.train.step import contrastive_step
+from test_moe import real_texts
+
+INFONCE_ONLY = LossConfig(aux_loss_coef=0.0, z_loss_coef=0.0, num_hard_negatives=0)
+
+
+def task_router_gradient(moe, texts: list[str]) -> list[float]:
+    """Router gradient norms per MoE layer from InfoNCE alone on pairs (text 2i, text 2i+1), eval mode."""
+    moe.eval()
+    moe.zero_grad(set_to_none=True)
+    contrastive_step(moe, moe.tokenizer(texts[0::2]), moe.tokenizer(texts[1::2]), None, INFONCE_ONLY)
+    return router_grad_norms(moe)
+
+
+# ---- virtual groups keep the dense function -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bert", "nomic"])  # GELU with biases; SwiGLU without
+def test_virtual_groups_reproduce_the_dense_model(make_tiny, family):
+    dense = make_tiny(family, num_layers=2)
+    texts = real_texts(12)
+    ref = torch.as_tensor(dense.encode(texts, batch_size=5))
+    for top_k in (4, 8):  # one group of 4 or both groups (renormalised gates over the groups)
+        moe = upcycle(dense, num_experts=8, top_k=top_k, every=1, offset=0, granularity=4, seed=3)
+        assert moe.config.moe.expert_size == dense.config.intermediate_size // 4
+        assert moe.encoder.layers[0].mlp.experts.fc2_weight.shape[-1] == dense.config.intermediate_size // 4
+        got = torch.as_tensor(moe.encode(texts, batch_size=5))
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=0)
+
+
+def test_expert_weights_slice_and_scale_by_hand():
+    # GELU MLP d=1, I=4: fc1 rows 1..4, fc2 columns 10..40; G=2, 4 experts (2 copies)
+    mlp = {"fc1.weight": torch.tensor([[1.0], [2.0], [3.0], [4.0]]), "fc1.bias": torch.tensor([0.1, 0.2, 0.3, 0.4]),
+           "fc2.weight": torch.tensor([[10.0, 20.0, 30.0, 40.0]]), "fc2.bias": torch.tensor([5.0])}
+    w = expert_weights(mlp, 4, 2, swiglu=False)
+    assert w["fc1_weight"][:, :, 0].tolist() == [[1, 2], [3, 4], [1, 2], [3, 4]]
+    torch.testing.assert_close(w["fc1_bias"], torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.1, 0.2], [0.3, 0.4]]))
+    assert w["fc2_weight"][:, 0].tolist() == [[20, 40], [60, 80], [20, 40], [60, 80]]  # ×G
+    assert w["fc2_bias"].tolist() == [[5.0]] * 4
+    # SwiGLU: fc1 rows [:I] up and [I:] gate are sliced in pairs
+    sw = expert_weights({"fc1.weight": torch.arange(8.0)[:, None], "fc2.weight": torch.ones(1, 4)}, 2, 2, swiglu=True)
+    assert sw["fc1_weight"][:, :, 0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_active_parameters_of_groups_equal_the_dense_model(make_tiny):
+    from moembed.cli.models import count_parameters
+
+    dense = make_tiny(num_layers=2)
+    moe = upcycle(dense, num_experts=8, top_k=4, every=1, offset=0, granularity=4)
+    d = dense.config.hidden_size
+    # each of the 4 active experts holds the whole fc2 bias (d): 3·d more per layer than the dense MLP; router 8·d
+    assert count_parameters(moe)[1] == count_parameters(dense)[1] + 2 * (3 * d + 8 * d)
+    mlp = sum(p.numel() for n, p in dense.encoder.layers[0].mlp.named_parameters() if n != "fc2.bias")
+    # total: two copies of the MLP's weights (and fc1 bias), eight fc2 biases, the router
+    assert count_parameters(moe)[0] == count_parameters(dense)[0] + 2 * (mlp + 7 * d + 8 * d)
+
+
+# ---- the router's gradient from the task loss -----------------------------------------------------------------
+
+
+def test_task_loss_gives_copies_no_router_gradient_and_groups_one(minilm_path):
+    from moembed.model.embedder import Embedder
+
+    dense = Embedder.load(minilm_path)
+    texts = real_texts(16)
+    copies = task_router_gradient(upcycle(dense, 8, 2, every=2), texts)
+    groups = task_router_gradient(upcycle(dense, 8, 4, every=2, granularity=4), texts)
+    # y = Σ g_j MLP(x) with Σ g_j = 1: zero analytically; what is left is float32 rounding (~1e-7)
+    assert max(copies) < 1e-5
+    assert min(groups) > 1e-2 and min(groups) > 1e4 * max(copies)
+
+
+def test_tied_rows_of_a_group_split_after_one_step(make_tiny):
+    dense = make_tiny(num_layers=2)
+    moe = upcycle(dense, 8, 4, every=1, offset=0, granularity=4, seed=1)
+    router = moe.encoder.layers[0].mlp.router.weight
+    assert torch.equal(router[0], router[3]) and not torch.equal(router[0], router[4])
+    opt = torch.optim.SGD(moe.parameters(), lr=1.0)
+    texts = real_texts(16)
+    task_router_gradient(moe, texts)
+    opt.step()
+    assert (router[0] - router[1]).abs().max() > 0 and (router[4] - router[7]).abs().max() > 0
+
+
+# ---- routing: ties and the selection bias ---------------------------------------------------------------------
+
+
+def test_tied_logits_choose_whole_groups_in_index_order():
+    torch.manual_seed(0)
+    block = MoEBlock(tiny_config(moe=MoEConfig(num_experts=8, top_k=4, every=1, offset=0)))
+    with torch.no_grad():
+        block.router.weight.copy_(torch.randn(2, block.router.weight.shape[1]).repeat_interleave(4, dim=0))
+    x = torch.randn(300, block.router.weight.shape[1])
+    r = block.route(x)
+    high = (r.logits[:, 4] > r.logits[:, 0]).long()  # (N,) which group has the higher logit
+    assert torch.equal(r.experts, 4 * high[:, None] + torch.arange(4))  # the whole group, members in index order
+    torch.testing.assert_close(r.gates, torch.full_like(r.gates, 0.25))
+    with torch.no_grad():  # all logits tie: experts 0..k-1, every time
+        block.router.weight.zero_()
+    assert block.route(x).experts.unique(dim=0).tolist() == [[0, 1, 2, 3]]
+
+
+def test_selection_bias_chooses_but_does_not_weigh():
+    torch.manual_seed(0)
+    block = MoEBlock(tiny_config(moe=MoEConfig(num_experts=4, top_k=1, every=1, offset=0, renormalize=False,
+                                               balance_rate=0.1)))
+    x = torch.randn(50, block.router.weight.shape[1])
+    with torch.no_grad():
+        block.balance_bias.copy_(torch.tensor([0.0, 0.0, 100.0, 0.0]))
+    block.train()
+    r = block.route(x)
+    assert r.experts.eq(2).all()
+    torch.testing.assert_close(r.gates[:, 0], r.logits.softmax(-1)[:, 2])  # the probability, without the bias
+    assert block.balance_counts.tolist() == [0, 0, 50, 0]
+    update_balance_biases([block])  # u · sign(mean load − load): mean 12.5
+    assert block.balance_bias.tolist() == pytest.approx([0.1, 0.1, 99.9, 0.1])
+    assert balance_bias_step(torch.tensor([3, 1, 2, 2]), 0.5).tolist() == [-0.5, 0.5, 0.0, 0.0]
+
+
+def test_selection_bias_is_saved_with_the_model(make_tiny, tmp_path):
+    from moembed.model.embedder import Embedder
+
+    moe = upcycle(make_tiny(num_layers=2), 4, 2, every=1, offset=0, balance_rate=0.01)
+    with torch.no_grad():
+        moe.encoder.layers[0].mlp.balance_bias.copy_(torch.tensor([0.5, -0.5, 0.0, 1.0]))
+    moe.save(tmp_path / "m")
+    back = Embedder.load(tmp_path / "m")
+    assert back.encoder.layers[0].mlp.balance_bias.tolist() == [0.5, -0.5, 0.0, 1.0]
+    assert back.config.moe.balance_rate == 0.01
+
+
+# ---- the other options ---------------------------------------------------------------------------------------
+
+
+def test_reinit_redraws_the_given_ratio_of_hidden_units(make_tiny):
+    dense = make_tiny(num_layers=2)
+    moe = upcycle(dense, 4, 2, every=1, offset=0, reinit=0.25, seed=2)
+    fc2 = moe.encoder.layers[0].mlp.experts.fc2_weight  # (E, d, I)
+    ref = dense.encoder.layers[0].mlp.fc2.weight
+    changed = (fc2 != ref).any(dim=1).sum(dim=1)  # (E,) hidden units whose fc2 column changed
+    assert changed.tolist() == [round(0.25 * ref.shape[1])] * 4
+    assert moe.calibration is None or moe.calibration == dense.calibration
+
+
+def test_kmeans_router_rows_are_centroids_shared_by_a_group(make_tiny):
+    dense = make_tiny(num_layers=2)
+    texts = real_texts(60)
+    moe = upcycle(dense, 8, 4, every=1, offset=0, granularity=4, router_init="kmeans", kmeans_texts=texts)
+    router = moe.encoder.layers[0].mlp.router.weight
+    assert torch.equal(router[0], router[3]) and not torch.allclose(router[0], router[4])
+    # rows scaled so that the sampled tokens' logits have unit spread across the rows
+    from moembed.model.convert.router_init import mlp_inputs
+
+    x = mlp_inputs(dense, [0], texts)[0]
+    logits = x @ router[::4].detach().T  # (N, 2)
+    assert (logits - logits.mean(1, keepdim=True)).std().item() == pytest.approx(1.0, rel=1e-3)
+    torch.testing.assert_close(torch.as_tensor(moe.encode(texts[:6])), torch.as_tensor(dense.encode(texts[:6])),
+                               atol=2e-6, rtol=0)  # still the dense function
+
+
+def test_upcycle_options_are_checked(make_tiny):
+    dense = make_tiny(num_layers=2)
+    with pytest.raises(MoembedError, match="granularity 3"):
+        upcycle(dense, 8, 4, every=1, granularity=3)
+    with pytest.raises(MoembedError, match="reinit"):
+        upcycle(dense, 8, 2, every=1, reinit=1.5)
+    with pytest.raises(MoembedError, match="kmeans_texts"):
+        upcycle(dense, 8, 2, every=1, router_init="kmeans")
+
+
+# ---- diagnostics against hand-computed values ----------------------------------------------------------------
+
+
+def test_mutual_information_by_hand():
+    assert mutual_information(torch.tensor([[2, 0], [0, 2]])) == pytest.approx((math.log(2), 1.0))
+    assert mutual_information(torch.tensor([[1, 1], [1, 1]])) == pytest.approx((0.0, 0.0))
+    # p(l,e) = 3/8, 1/8, 1/8, 3/8 with uniform marginals: 3/4·log(3/2) + 1/4·log(1/2)
+    mi, ratio = mutual_information(torch.tensor([[3, 1], [1, 3]]))
+    assert mi == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5))
+    assert ratio == pytest.approx(mi / math.log(2))
+
+
+def test_expert_divergence_by_hand():
+    # two experts, weights (1, 0 | 2) and (3, 0 | 2): mean (2, 0 | 2), ‖W_e − W̄‖ = 1, ‖W̄‖ = √8
+    fc1 = torch.tensor([[[1.0, 0.0]], [[3.0, 0.0]]])  # (E=2, r=1, d=2)
+    fc2 = torch.tensor([[[2.0]], [[2.0]]])  # (E=2, d=1, i=1)
+    assert expert_divergence(fc1, fc2) == pytest.approx([1 / math.sqrt(8)] * 2)
+    assert expert_divergence(fc1[[0, 0]], fc2) == [0.0, 0.0]
+
+
+def test_diagnose_on_a_tiny_model_by_hand(make_tiny):
+    """Router zeroed: every token ties, so experts 0..k-1 take every token (index order); MI 0, divergence 0 for
+    copies; the joint counts add up to tokens · k."""
+    moe = upcycle(make_tiny(num_layers=2), 4, 2, every=1, offset=0)
+    with torch.no_grad():
+        for layer in moe.encoder.layers:
+            layer.mlp.router.weight.zero_()
+    texts = real_texts(10)
+    rows = diagnose(moe, texts, labels=["a", "b"] * 5, batch_size=4)
+    tokens = sum(len(x) for x in moe.token_ids(texts)[0])
+    for r in rows:
+        assert r.divergence == 0.0
+        assert r.utilisation.counts == [tokens, tokens, 0, 0]
+        assert r.utilisation.entropy == pytest.approx(math.log(4))
+        assert r.mutual_information == pytest.approx(0.0, abs=1e-12)
+    groups = upcycle(make_tiny(num_layers=2), 8, 4, every=1, offset=0, granularity=4)
+    assert diagnose(groups, texts[:2])[0].divergence > 0.5  # slices differ from the start
+
+
+def test_cli_upcycle_groups_and_info_probe_with_labels(tmp_path, tiny_dir):
+    from typer.testing import CliRunner
+
+    from moembed.cli.main import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["upcycle", str(tiny_dir), "--out", str(tmp_path / "moe"), "--experts", "8",
+                              "--top-k", "4", "--granularity", "4", "--every", "1", "--offset", "0"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["encoder"]["moe"]["expert_size"] == 16
+    probe = tmp_path / "probe.jsonl"
+    probe.write_text("".join(json.dumps({"text": t, "lang": "en" if i % 2 else "xx"}) + "\n"
+                             for i, t in enumerate(real_texts(8))))
+    res = runner.invoke(app, ["info", str(tmp_path / "moe"), "--probe", str(probe), "--label", "lang"])
+    assert res.exit_code == 0, res.output
+    assert "expert divergence" in res.output and "MI(expert; label)" in res.output
+    res = runner.invoke(app, ["upcycle", str(tiny_dir), "--out", str(tmp_path / "bad"), "--granularity", "3"])
+    assert isinstance(res.exception, MoembedError) and "granularity 3" in str(res.exception)
+    probe.write_text(json.dumps({"text": "no label here"}) + "\n")
+    res = runner.invoke(app, ["info", str(tmp_path / "moe"), "--probe", str(probe), "--label", "lang"])
+    assert isinstance(res.exception, MoembedError) and f"{probe}:1" in str(res.exception) and "lang" in str(res.exception)
+
+
+# ---- the quickstart's `upcycling:` keys --------------------------------------------------------------------------
+
+
+def test_quickstart_upcycling_keys_reach_the_model(tmp_path, tiny_dir):
+    from types import SimpleNamespace
+
+    from moembed.model.embedder import Embedder
+    from moembed.recipes import training
+    from moembed.recipes.config import load_quickstart_config
+    from moembed.recipes.report_text import upcycling
+
+    (tmp_path / "qs.yaml").write_text("experts: 8\ntop_k: 4\nupcycling: {granularity: 4, balance_rate: 0.01}\n")
+    cfg = load_quickstart_config(tmp_path / "qs.yaml")
+    qs = SimpleNamespace(cfg=cfg, base=tiny_dir, base_name="tiny", out=tmp_path / "out")
+    training.upcycle(qs)
+    moe = Embedder.load(tmp_path / "out" / "models" / "moe-init").config.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_size, moe.balance_rate) == (8, 4, 16, 0.01)
+    assert upcycling(cfg) == ("8 experts, top-4, in 2 virtual groups of 4 slices each 1/4 of the MLP (He et al. "
+                              "2024), renormalised gates, auxiliary-loss-free balancing, bias step 0.01")
+    (tmp_path / "bad.yaml").write_text("upcycling: {granularity: 3}\n")
+    with pytest.raises(MoembedError, match=r"upcycling.granularity \(3\) must divide experts \(8\)"):
+        load_quickstart_config(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("upcycling: {router: kmeans}\n")
+    with pytest.raises(MoembedError, match="upcycling.router"):
+        load_quickstart_config(tmp_path / "bad.yaml")
