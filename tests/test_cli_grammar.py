@@ -62,7 +62,7 @@ def test_quiet_wherever_a_progress_bar_is_drawn():
 
 
 def test_nproc_on_every_command_that_splits_work():
-    for name in ("encode", "train", "quickstart"):
+    for name in ("encode", "train", "quickstart", "filter", "mine"):
         assert any("--nproc" in p.opts for p in ALL[name].params if p.param_type_name == "option"), name
 
 
@@ -194,3 +194,26 @@ def test_train_nproc_runs_the_config_on_two_processes(tmp_path, minilm_path):
     assert (out / "model" / "config.json").exists()
     states = [json.loads(p.read_text()) for p in out.rglob("state.json")]
     assert states and all(s["meta"]["world_size"] == 2 for s in states)  # one data-parallel group of 2 processes
+
+
+def test_nproc_runs_the_same_command_line_without_nproc(tmp_path, monkeypatch):
+    # filter, mine and train start themselves again as N torchrun processes through one launcher
+    # (moembed.distributed.launch), with the options the user gave, defaults left out.
+    from typer.testing import CliRunner
+
+    import moembed.distributed
+
+    launched = []
+    monkeypatch.setattr(moembed.distributed, "launch", lambda args, nproc: launched.append((args, nproc)) or 0)
+    (tmp_path / "p.jsonl").write_text('{"query": "q", "document": "d"}\n')
+    for cmd in ("filter", "mine"):
+        r = CliRunner().invoke(app, [cmd, str(tmp_path / "p.jsonl"), "--teacher", "T", "-o", "o.jsonl", "--nproc", "2",
+                                     "--bf16", "--batch-size", "16", "--quiet"])
+        assert r.exit_code == 0, r.output
+    config = os.path.join(ROOT, "configs", "tiny", "contrastive.yaml")
+    r = CliRunner().invoke(app, ["train", config, "steps=3", "--fresh", "--nproc", "2"])
+    assert r.exit_code == 0, r.output
+    common = [str(tmp_path / "p.jsonl"), "--teacher", "T", "--out", "o.jsonl", "--batch-size", "16", "--bf16",
+              "--quiet"]
+    assert launched == [(["filter", *common], 2), (["mine", *common], 2),
+                        (["train", config, "steps=3", "--fresh"], 2)]
