@@ -217,3 +217,22 @@ def test_nproc_runs_the_same_command_line_without_nproc(tmp_path, monkeypatch):
               "--quiet"]
     assert launched == [(["filter", *common], 2), (["mine", *common], 2),
                         (["train", config, "steps=3", "--fresh"], 2)]
+
+
+def test_eval_takes_its_task_directories_as_arguments_and_tasks_still_works(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moembed.errors import MoembedError
+
+    seen = []
+
+    def stop(d):  # the tasks are read before any model: record which, then stop
+        seen.append(d)
+        raise MoembedError("stop here")
+
+    monkeypatch.setattr("moembed.eval.load_task", stop)
+    r = CliRunner().invoke(app, ["eval", "M", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "r")])
+    assert seen == [tmp_path / "a"] and "stop here" in str(r.exception) and "deprecated" not in r.output
+    seen.clear()
+    r = CliRunner().invoke(app, ["eval", "M", "--tasks", str(tmp_path / "a"), "-o", str(tmp_path / "r")])
+    assert seen == [tmp_path / "a"] and "--tasks is deprecated" in r.output and "use TASK_DIR" in r.output

@@ -19,7 +19,8 @@ BatchSize = Annotated[int, typer.Option(help="texts per teacher forward pass")]
 Backend = Annotated[o.SearchBackend, typer.Option(help="search backend (auto: faiss when installed)")]
 Bf16 = Annotated[bool, typer.Option(help="bfloat16 autocast for the teacher")]
 CacheEmbeddings = Annotated[bool, typer.Option(help="keep shard embeddings in --work-dir for later runs")]
-Device = Annotated[str, typer.Option(metavar=o.DEVICE_METAVAR, help="where the teacher runs (auto: the accelerator when there is one)")]
+Device = Annotated[str, typer.Option(metavar=o.DEVICE_METAVAR,
+                                      help="where the teacher runs (auto: the accelerator when there is one)")]
 MaxLength = Annotated[int | None, typer.Option(help="cut texts to N tokens, as training will (default: the teacher's limit)")]
 
 data_app = typer.Typer(help="Build training pairs and BEIR evaluation sets from installed real corpora.", no_args_is_help=True)

@@ -15,7 +15,8 @@ def register(app: typer.Typer) -> None:
 
 def moee(
     model: str = typer.Argument(..., help="Hugging Face MoE causal-LM directory, or a moembed MoE encoder directory"),
-    input_file: Path = typer.Argument(None, metavar="INPUT", help="one JSON string per line (or plain lines with --plain)"),
+    input_file: Path = typer.Argument(None, metavar="INPUT",
+                                      help="one JSON string per line (or plain lines with --plain)"),
     out: Path = o.out_option("output .npy: one row per input line, in order", None),
     mode: o.MoEEMode = typer.Option("concat", help="concat = [HS/|HS| ; RW/|RW|], concat_raw = the paper's [HS ; RW]"),
     prompt: str = typer.Option(None, help="language models: a Table 2 name (none, prompteol, ...) or a template "

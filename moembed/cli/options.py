@@ -56,7 +56,9 @@ def out_option(help: str, default: Any = ...) -> Any:
     return typer.Option(default, "--out", "-o", help=help)
 
 
-def device_option(default: str = "auto", help: str = "where the model runs (auto: the accelerator when there is one)") -> Any:
+def device_option(default: str = "auto",
+                  help: str = "where the model runs (auto: the accelerator when there is one)") -> Any:
+    """`--device`, its choices shown (cuda:N makes them an open set, checked where the device is resolved)."""
     return typer.Option(default, "--device", metavar=DEVICE_METAVAR, help=help)
 
 
