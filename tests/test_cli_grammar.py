@@ -62,7 +62,7 @@ def test_quiet_wherever_a_progress_bar_is_drawn():
 
 
 def test_nproc_on_every_command_that_splits_work():
-    for name in ("encode", "train", "quickstart"):
+    for name in ("encode", "train", "quickstart", "filter", "mine"):
         assert any("--nproc" in p.opts for p in ALL[name].params if p.param_type_name == "option"), name
 
 
@@ -195,3 +195,45 @@ def test_train_nproc_runs_the_config_on_two_processes(tmp_path, minilm_path):
     assert (out / "model" / "config.json").exists()
     states = [json.loads(p.read_text()) for p in out.rglob("state.json")]
     assert states and all(s["meta"]["world_size"] == 2 for s in states)  # one data-parallel group of 2 processes
+
+
+def test_nproc_runs_the_same_command_line_without_nproc(tmp_path, monkeypatch):
+    # filter, mine and train start themselves again as N torchrun processes through one launcher
+    # (moembed.distributed.launch), with the options the user gave, defaults left out.
+    from typer.testing import CliRunner
+
+    import moembed.distributed
+
+    launched = []
+    monkeypatch.setattr(moembed.distributed, "launch", lambda args, nproc: launched.append((args, nproc)) or 0)
+    (tmp_path / "p.jsonl").write_text('{"query": "q", "document": "d"}\n')
+    for cmd in ("filter", "mine"):
+        r = CliRunner().invoke(app, [cmd, str(tmp_path / "p.jsonl"), "--teacher", "T", "-o", "o.jsonl", "--nproc", "2",
+                                     "--bf16", "--batch-size", "16", "--quiet"])
+        assert r.exit_code == 0, r.output
+    config = os.path.join(ROOT, "configs", "tiny", "contrastive.yaml")
+    r = CliRunner().invoke(app, ["train", config, "steps=3", "--fresh", "--nproc", "2"])
+    assert r.exit_code == 0, r.output
+    common = [str(tmp_path / "p.jsonl"), "--teacher", "T", "--out", "o.jsonl", "--batch-size", "16", "--bf16",
+              "--quiet"]
+    assert launched == [(["filter", *common], 2), (["mine", *common], 2),
+                        (["train", config, "steps=3", "--fresh"], 2)]
+
+
+def test_eval_takes_its_task_directories_as_arguments_and_tasks_still_works(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moembed.errors import MoembedError
+
+    seen = []
+
+    def stop(d):  # the tasks are read before any model: record which, then stop
+        seen.append(d)
+        raise MoembedError("stop here")
+
+    monkeypatch.setattr("moembed.eval.load_task", stop)
+    r = CliRunner().invoke(app, ["eval", "M", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "r")])
+    assert seen == [tmp_path / "a"] and "stop here" in str(r.exception) and "deprecated" not in r.output
+    seen.clear()
+    r = CliRunner().invoke(app, ["eval", "M", "--tasks", str(tmp_path / "a"), "-o", str(tmp_path / "r")])
+    assert seen == [tmp_path / "a"] and "--tasks is deprecated" in r.output and "use TASK_DIR" in r.output

@@ -144,7 +144,7 @@ def test_commands_default_to_auto_and_pass_the_device_on(monkeypatch, tmp_path, 
     for device in (None, "cpu"):
         extra = [] if device is None else ["--device", device]
         seen.clear()
-        _invoke("eval", tmp_path / "m", "--tasks", tmp_path, "--out", tmp_path / "res", *extra)
+        _invoke("eval", tmp_path / "m", tmp_path, "--out", tmp_path / "res", *extra)
         _invoke("moee", tmp_path / "m", tmp_path / "in.txt", "-o", tmp_path / "o.npy", "--plain", *extra)
         for cmd in ("filter", "mine"):
             r = _invoke(cmd, tmp_path / "p.jsonl", "--teacher", tmp_path / "m", "--out", tmp_path / "o.jsonl", *extra)

@@ -387,9 +387,7 @@ def test_cli_eval_and_compare(make_tiny, tasks, tmp_path):
     args = [
         "eval",
         str(tmp_path / "model"),
-        "--tasks",
         str(tasks["retrieval"]),
-        "--tasks",
         str(tasks["pairs"]),
         "--out",
         str(out),
@@ -421,7 +419,7 @@ def test_cli_eval_dtype_int8_is_named_and_cached_apart(make_tiny, tasks, tmp_pat
         pytest.skip("this torch build has no x86 quantised kernels")
     make_tiny("bert").save(tmp_path / "model")
     cache = tmp_path / "cache"
-    base = ["eval", str(tmp_path / "model"), "--tasks", str(tasks["retrieval"]), "--cache-dir", str(cache),
+    base = ["eval", str(tmp_path / "model"), str(tasks["retrieval"]), "--cache-dir", str(cache),
             "--device", "cpu"]
     files = {}
     for dtype in ("float32", "int8"):
@@ -449,9 +447,7 @@ def test_cli_moee_sum_scores_with_its_similarity(make_tiny, tasks, tmp_path):
             [
                 "eval",
                 str(tmp_path / "moe"),
-                "--tasks",
                 str(tasks["sts"]),
-                "--tasks",
                 str(tasks["retrieval"]),
                 "--out",
                 str(out),

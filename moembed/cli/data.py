@@ -19,7 +19,8 @@ BatchSize = Annotated[int, typer.Option(help="texts per teacher forward pass")]
 Backend = Annotated[o.SearchBackend, typer.Option(help="search backend (auto: faiss when installed)")]
 Bf16 = Annotated[bool, typer.Option(help="bfloat16 autocast for the teacher")]
 CacheEmbeddings = Annotated[bool, typer.Option(help="keep shard embeddings in --work-dir for later runs")]
-Device = Annotated[str, typer.Option(metavar=o.DEVICE_METAVAR, help="where the teacher runs (auto: the accelerator when there is one)")]
+Device = Annotated[str, typer.Option(metavar=o.DEVICE_METAVAR,
+                                      help="where the teacher runs (auto: the accelerator when there is one)")]
 MaxLength = Annotated[int | None, typer.Option(help="cut texts to N tokens, as training will (default: the teacher's limit)")]
 
 data_app = typer.Typer(help="Build training pairs and BEIR evaluation sets from installed real corpora.", no_args_is_help=True)
@@ -81,6 +82,7 @@ def multilingual_cmd(
 
 
 def filter_cmd(
+    ctx: typer.Context,
     data: Data,
     teacher: Teacher,
     out: Path = o.out_option("kept pairs, JSONL"),
@@ -94,6 +96,7 @@ def filter_cmd(
     cache_embeddings: CacheEmbeddings = False,
     device: Device = "auto",
     max_length: MaxLength = None,
+    nproc: o.Nproc = None,
     quiet: o.Quiet = False,
 ) -> None:
     """Consistency filtering (nomic-embed-v1 §4.2.1): drop pairs whose document is not in its query's top K."""
@@ -102,12 +105,15 @@ def filter_cmd(
 
     cfg = CurateConfig(shard_size=shard_size, top_k=top_k, batch_size=batch_size, backend=backend, bf16=bf16,
                        cache_embeddings=cache_embeddings, device=device, max_length=max_length)
+    if (nproc := o.processes(nproc)) > 1:
+        return o.run_in_processes(ctx, nproc)
     init_from_env()  # under torchrun: join the process group, embedding is split across ranks
     report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad, show_progress=not quiet)
     _print_report(report)
 
 
 def mine_cmd(
+    ctx: typer.Context,
     data: Data,
     teacher: Teacher,
     out: Path = o.out_option("pairs with negatives, JSONL"),
@@ -124,6 +130,7 @@ def mine_cmd(
     cache_embeddings: CacheEmbeddings = False,
     device: Device = "auto",
     max_length: MaxLength = None,
+    nproc: o.Nproc = None,
     quiet: o.Quiet = False,
 ) -> None:
     """Positive-aware hard-negative mining (nomic-embed-v2 Eq. 5); optionally filter in the same pass."""
@@ -136,6 +143,8 @@ def mine_cmd(
         shard_size=shard_size, top_k=filter_top_k, mining=mining, batch_size=batch_size, backend=backend, bf16=bf16,
         cache_embeddings=cache_embeddings, device=device, max_length=max_length,
     )
+    if (nproc := o.processes(nproc)) > 1:
+        return o.run_in_processes(ctx, nproc)
     init_from_env()
     report = curate(data, out, teacher, cfg, work_dir=work_dir, skip_bad=skip_bad, show_progress=not quiet)
     _print_report(report)

@@ -62,7 +62,7 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype:
 
 def eval_cmd(
     model: Path = typer.Argument(..., help="moembed, Hugging Face BERT or sentence-transformers directory"),
-    tasks: list[Path] = typer.Option(None, "--tasks", help="task directories (repeat the option for several)"),
+    tasks: list[Path] = typer.Argument(None, metavar="TASK_DIR", help="task directories (any number)"),
     out: Path = o.out_option("result directory: results.json, results.md, plots"),
     suite: o.Suite = typer.Option(None, help="add a built-in suite"),
     suite_dir: Path = typer.Option(None, help="suite location (default: CACHE_DIR/dev-suite or OUT/dev-suite)"),
@@ -78,6 +78,7 @@ def eval_cmd(
     dtype: o.Compute = typer.Option("float32", help="compute precision: bf16 autocast; int8 dynamic matmuls (CPU)"),
     quiet: o.Quiet = False,
     pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
+    old_tasks: list[Path] = o.old_spelling("--tasks"),
 ) -> None:
     """Evaluate MODEL on task directories; write results.json, results.md and plots into OUT."""
     from tqdm.auto import tqdm
@@ -88,7 +89,7 @@ def eval_cmd(
     from moembed.eval.runner import run_task
     from moembed.eval.sweep import long_context_sweep, matryoshka_sweep
 
-    dirs = list(tasks or [])
+    dirs = list(o.renamed(tasks or None, old_tasks or None, "TASK_DIR", "--tasks", required=False) or [])
     if suite is not None:
         from moembed.eval.suite import build_suite
 
@@ -96,7 +97,7 @@ def eval_cmd(
         typer.echo(f"moembed: dev suite in {where}", err=True)
         dirs += build_suite(where)
     if not dirs:
-        raise MoembedError("--tasks: give at least one task directory (or --suite dev)")
+        raise MoembedError("TASK_DIR: give at least one task directory after MODEL (or --suite dev)")
     if batch_size < 1:
         raise MoembedError(f"--batch-size: must be >= 1, got {batch_size}")
     loaded = [load_task(d) for d in dirs]  # every task is validated before any model work

@@ -15,7 +15,8 @@ def register(app: typer.Typer) -> None:
 
 def moee(
     model: str = typer.Argument(..., help="Hugging Face MoE causal-LM directory, or a moembed MoE encoder directory"),
-    source: Path = typer.Argument(None, metavar="INPUT", help="one JSON string per line (or plain lines with --plain)"),
+    input_file: Path = typer.Argument(None, metavar="INPUT",
+                                      help="one JSON string per line (or plain lines with --plain)"),
     out: Path = o.out_option("output .npy: one row per input line, in order", None),
     mode: o.MoEEMode = typer.Option("concat", help="concat = [HS/|HS| ; RW/|RW|], concat_raw = the paper's [HS ; RW]"),
     prompt: str = typer.Option(None, help="language models: a Table 2 name (none, prompteol, ...) or a template "
@@ -41,7 +42,7 @@ def moee(
     from moembed.moee import ExtractConfig, MoEEModel, load_source
     from moembed.moee.hf import is_hf_moe_dir
 
-    input = o.input_path(source, old_input)
+    input = o.input_path(input_file, old_input)
     output = o.renamed(out, old_output, "--out", "--output")
     if output.suffix != ".npy":
         raise MoembedError(f"--out: {output} must end in .npy")

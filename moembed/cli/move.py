@@ -58,7 +58,8 @@ def build_vocab(
         from moembed.model.embedder import Embedder
 
         teacher = Embedder.load(semantic_model)
-        vectors = lambda strings: teacher.embed_tensor(strings, batch_size=256, show_progress=not quiet, desc="token vectors")  # noqa: E731
+        vectors = lambda strings: teacher.embed_tensor(  # noqa: E731
+            strings, batch_size=256, show_progress=not quiet, desc="token vectors")
     pair = build_vocab_pair(corpus, base_size, size, k, routing, vectors, min_frequency, lowercase=lowercase)
     pair.save(out)
     vs, vl = pair.sizes
@@ -74,7 +75,8 @@ def build_vocab(
 def init(
     vocab: Path = typer.Argument(..., help="vocabulary directory from `moembed move build-vocab`"),
     out: Path = o.out_option("output model directory"),
-    kind: o.VocabKind = typer.Option("move", help="move: MoVE V_s → V_l; base: plain V_s table; large: plain V_l table"),
+    kind: o.VocabKind = typer.Option("move", help="move: MoVE V_s → V_l; base: plain V_s table; "
+                                                  "large: plain V_l table"),
     family: o.Family = typer.Option("bert", help="layer style"),
     layers: int = typer.Option(4, help="transformer layers"),
     hidden: int = typer.Option(384, help="hidden size d"),

@@ -58,7 +58,9 @@ def out_option(help: str, default: Any = ...) -> Any:
     return typer.Option(default, "--out", "-o", help=help)
 
 
-def device_option(default: str = "auto", help: str = "where the model runs (auto: the accelerator when there is one)") -> Any:
+def device_option(default: str = "auto",
+                  help: str = "where the model runs (auto: the accelerator when there is one)") -> Any:
+    """`--device`, its choices shown (cuda:N makes them an open set, checked where the device is resolved)."""
     return typer.Option(default, "--device", metavar=DEVICE_METAVAR, help=help)
 
 
@@ -73,6 +75,37 @@ def processes(nproc: int | None) -> int:
     if nproc > 1 and "WORLD_SIZE" in os.environ:
         raise MoembedError("--nproc: already running under torchrun; leave --nproc out there")
     return nproc
+
+
+def command_line(ctx: typer.Context) -> list[str]:
+    """This command's arguments rebuilt from its parsed values, `--nproc` left out: what each process runs."""
+    names, c = [], ctx
+    while c.parent is not None:  # the subcommand's words, without the program's name
+        names.insert(0, c.info_name)
+        c = c.parent
+    args = list(names)
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if p.name == "nproc" or v is None or (p.param_type_name == "option" and v == p.default):
+            continue
+        if p.param_type_name == "argument":
+            args += [str(x) for x in v] if isinstance(v, (list, tuple)) else [str(v)]
+        elif p.is_flag:
+            args.append(p.opts[0] if v else p.secondary_opts[0])
+        else:
+            for x in v if p.multiple else [v]:
+                args += [p.opts[0], str(x)]
+    return args
+
+
+def run_in_processes(ctx: typer.Context, nproc: int) -> None:
+    """`--nproc N`: run this very command as N processes on this machine under torchrun, and wait."""
+    from moembed.distributed import launch
+
+    rc = launch(command_line(ctx), nproc)
+    if rc != 0:
+        raise MoembedError(f"--nproc {nproc}: a process failed (exit {rc}, its error is above); the same command "
+                           "resumes where it stopped")
 
 
 def old_spelling(*flags: str) -> Any:

@@ -32,7 +32,8 @@ def quickstart(
     config: Path = typer.Option(None, "--config", help="a YAML file over configs/quickstart.yaml's defaults"),
     quiet: o.Quiet = False,
 ) -> None:
-    """Split, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (minutes by CPU: docs/quickstart.md)."""
+    """Split, filter, mine, upcycle to MoE, finetune MoE and dense, evaluate and report (time per CPU:
+    docs/quickstart.md)."""
     import json
 
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config

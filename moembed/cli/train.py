@@ -10,6 +10,7 @@ from moembed.cli import options as o
 def register(app: typer.Typer) -> None:
     @app.command("train")
     def train_cmd(
+        ctx: typer.Context,
         config: str = typer.Argument(..., help="YAML training config (see docs/training.md)"),
         overrides: list[str] = typer.Argument(None, help="dotted key=value overrides, e.g. optim.lr=1e-4 steps=100"),
         fresh: bool = typer.Option(False, "--fresh", help="ignore existing checkpoints instead of resuming"),
@@ -17,12 +18,16 @@ def register(app: typer.Typer) -> None:
         quiet: o.Quiet = False,
     ) -> None:
         """Train (stages mlm | contrastive | finetune); resumes from the latest checkpoint in the run directory."""
+        from moembed.errors import MoembedError
         from moembed.train.config import load_config
 
         cfg = load_config(config, overrides or [])  # a bad config fails here, once, before any process starts
         nproc = o.processes(nproc)
         if nproc > 1:
-            _launch(config, overrides or [], fresh, quiet, nproc, cfg.batch_size)
+            if cfg.batch_size % nproc:
+                raise MoembedError(f"--nproc: batch_size ({cfg.batch_size}) must be divisible by the number of "
+                                   f"processes ({nproc})")
+            o.run_in_processes(ctx, nproc)
             typer.echo(f"model saved to {cfg.output_dir}/model")
             return
         from moembed.distributed import rank
@@ -49,16 +54,3 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"{config}: ok (stage {cfg.stage}, {cfg.steps} steps, batch {cfg.batch_size}, sources: {sources}; "
                    f"data: {data.summary()})")
 
-
-def _launch(config: str, overrides: list[str], fresh: bool, quiet: bool, nproc: int, batch_size: int) -> None:
-    """`train --nproc N`: the same command as N torchrun processes, data-parallel over the global batch."""
-    from moembed.distributed import launch
-    from moembed.errors import MoembedError
-
-    if batch_size % nproc:
-        raise MoembedError(f"--nproc: batch_size ({batch_size}) must be divisible by the number of processes ({nproc})")
-    args = ["train", config, *overrides, *(["--fresh"] if fresh else []), *(["--quiet"] if quiet else [])]
-    rc = launch(args, nproc)
-    if rc != 0:
-        raise MoembedError(f"--nproc {nproc}: a training process failed (exit {rc}); run the same command again to "
-                           "resume from the last checkpoint")
