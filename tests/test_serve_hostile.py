@@ -235,26 +235,38 @@ def test_uploads_dropped_midway_are_disconnects_not_errors(server):
     server.check_healthy()
 
 
-def test_64_concurrent_clients(server):
+def test_64_concurrent_clients_beside_a_2048_text_request(server):
+    """64 clients send small requests while one 2,048-text request is in flight: every request is answered, each
+    text as it is alone, and the small requests do not wait for the large one (its slices take turns with them)."""
     rng = np.random.default_rng(0)
-    bodies = [[" ".join(rng.choice(WORDS, rng.integers(1, 60))) for _ in range(rng.integers(1, 17))]
-              for _ in range(64 * 3)]
+    big = [" ".join(rng.choice(WORDS, 60)) + f" {i}" for i in range(2048)]
+    bodies = [[" ".join(rng.choice(WORDS, rng.integers(1, 60))) for _ in range(rng.integers(1, 9))]
+              for _ in range(64 * 2)]
 
     async def client(c: httpx.AsyncClient, mine: list[list[str]]) -> list[httpx.Response]:
         return [await c.post(f"{server.url}/v1/embeddings", json={"input": texts}) for texts in mine]
 
     async def go():
-        limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-            return await asyncio.gather(*(client(c, bodies[i::64]) for i in range(64)))
+        limits = httpx.Limits(max_connections=65)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+            large = asyncio.ensure_future(c.post(f"{server.url}/v1/embeddings", json={"input": big}))
+            for _ in range(600):  # the large request is queued
+                metrics = (await c.get(f"{server.url}/metrics")).text
+                if float(re.search(r"^moembed_queue_depth (\S+)", metrics, re.M).group(1)) > 1000:
+                    break
+                await asyncio.sleep(0.02)
+            small = await asyncio.gather(*(client(c, bodies[i::64]) for i in range(64)))
+            still_running = not large.done()
+            return small, still_running, await large
 
-    out = asyncio.run(go())
+    out, still_running, large = asyncio.run(go())
+    assert large.status_code == 200 and len(large.json()["data"]) == 2048
+    assert still_running  # all 128 small requests were answered while the large one was in flight
     for i in range(64):
         for texts, r in zip(bodies[i::64], out[i]):
             assert r.status_code == 200, r.text
             assert len(r.json()["data"]) == len(texts)
-    # each text's embedding as it is alone
-    texts = bodies[5]
+    texts = bodies[5]  # each text's embedding as it is alone
     crowd = np.array([d["embedding"] for d in out[5][0].json()["data"]])
     np.testing.assert_allclose(crowd, server.embed(texts), rtol=0, atol=1e-6)
     server.check_healthy()
