@@ -62,14 +62,18 @@ def test_every_pooling_mode_in_both_formats_pools_as_sentence_transformers(tiny_
 
 
 def test_no_boolean_set_means_mean(tiny_st):
+    from moembed.model.io import pooling_origin
+
     write_pooling(tiny_st, {"word_embedding_dimension": 32, "pooling_mode_cls_token": False})
     assert Embedder.load(tiny_st).pooling == "mean" and st_model(tiny_st)[1].pooling_mode == "mean"
+    assert pooling_origin(tiny_st) == "1_Pooling/config.json (no pooling_mode_* set)"
 
 
 @pytest.mark.parametrize("cfg, message", [
     ({"pooling_mode": "median"}, "1_Pooling/config.json: pooling_mode: pooling mode 'median' is not supported; "
                                  "supported: mean, cls, lasttoken, max, mean_sqrt_len_tokens, weightedmean"),
     ({"pooling_mode": ["cls", "mean"]}, "1_Pooling/config.json: pooling_mode ['cls', 'mean'] concatenates"),
+    ({"pooling_mode": {"mean": True}}, "1_Pooling/config.json: pooling_mode: pooling mode {'mean': True} is not"),
     ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},
      "pooling_mode_cls_token, pooling_mode_mean_tokens are all true"),
     ({"pooling_mode": "mean", "include_prompt": False}, "1_Pooling/config.json: include_prompt False"),

@@ -116,15 +116,14 @@ def _read_pooling(file: Path) -> StSettings:
         if isinstance(mode, list):
             raise MoembedError(f"{file}: pooling_mode {mode!r} concatenates several poolings, which moembed does "
                                f"not support; one of: {supported}")
-    else:
-        key = "pooling_mode_*"
-        active = [m for k, m in LEGACY_KEYS.items() if cfg.get(k)]
-        if len(active) > 1:
-            raise MoembedError(f"{file}: {', '.join(k for k in LEGACY_KEYS if cfg.get(k))} are all true: "
-                               f"concatenated poolings are not supported; set one of them")
-        mode = active[0] if active else "mean"  # none set: sentence-transformers pools by mean
-        key = next((k for k in LEGACY_KEYS if cfg.get(k)), key)
-    if mode not in ST_POOLING:
+    else:  # every key the legacy booleans name is a mode moembed has
+        keys = [k for k in LEGACY_KEYS if cfg.get(k)]
+        if len(keys) > 1:
+            raise MoembedError(f"{file}: {', '.join(keys)} are all true: concatenated poolings are not supported; "
+                               "set one of them")
+        # none set: sentence-transformers pools by mean
+        key, mode = (keys[0], LEGACY_KEYS[keys[0]]) if keys else ("no pooling_mode_* set", "mean")
+    if not isinstance(mode, str) or mode not in ST_POOLING:
         raise MoembedError(f"{file}: {key}: pooling mode {mode!r} is not supported; supported: {supported}")
     if cfg.get("include_prompt", True) is not True:
         raise MoembedError(f"{file}: include_prompt {cfg['include_prompt']!r}: leaving the prompt's tokens out of "
