@@ -93,8 +93,8 @@ def test_a_readme_moembed_did_not_write_is_kept(make_tiny, tmp_path, caplog):
     assert "README.md was not written by moembed; kept as README.orig.md" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="moembed"):
-        make_tiny().save(out)  # moembed's own card is replaced without a word
-    assert caplog.text == "" and not (out / "README.orig.md").exists()
+        make_tiny().save(out)  # moembed's own card is replaced without a word; the kept README stays
+    assert caplog.text == "" and (out / "README.orig.md").read_text() == "my notes\n"
 
 
 def test_quickstart_card_carries_recipe_and_evaluation(tmp_path, make_tiny, monkeypatch):

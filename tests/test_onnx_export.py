@@ -52,7 +52,7 @@ def onnx_vectors(sess, emb: Embedder, texts: list[str], batch: int) -> np.ndarra
 def st_onnx_pipeline(path, texts: list[str]) -> np.ndarray:
     """sentence-transformers' ONNX backend, part by part (module docstring): config and tokenizer through
     transformers' Auto classes, the graph through ONNX Runtime, then the directory's Pooling and Normalize."""
-    from sentence_transformers.models import Normalize, Pooling
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
     from transformers import AutoConfig, AutoTokenizer
 
     AutoConfig.from_pretrained(path)  # must read: sentence-transformers loads it before the graph
@@ -156,7 +156,8 @@ def test_moe_directory_reads_as_sentence_transformers_does(moe, moe_onnx, texts)
 
 def tiny_family(kind: str, root, minilm_path) -> Embedder:
     """A tiny random model of `kind`: transformers' RoBERTa / XLM-RoBERTa classes saved and read back, or moembed's
-    NomicBERT-style encoder (rotary, SwiGLU, Dynamic NTK past 64 positions), dense or with 4 experts top-2."""
+    NomicBERT-style encoder (rotary, SwiGLU, Dynamic NTK past 64 positions) with 4 experts top-2, or a BERT-style
+    one with a MoVE embedding layer."""
     from test_families import save_tiny
 
     from moembed.model.encoder import Encoder
@@ -167,6 +168,12 @@ def tiny_family(kind: str, root, minilm_path) -> Embedder:
         save_tiny(kind, root / kind, minilm_path)
         return Embedder.load(root / kind)
     torch.manual_seed(3)
+    if kind == "move":  # WordPiece ids past 20,000 built from pieces below it by 2 experts
+        from moembed.model.config import MoVEConfig
+
+        cfg = tiny_config(vocab_size=30522, move=MoVEConfig(base_vocab_size=20000, num_experts=2, expert_dim=4,
+                                                            max_pieces=3))
+        return Embedder(Encoder(cfg), TextTokenizer.from_dir(minilm_path, max_length=64), name="tiny-move").eval()
     moe = dict(moe=dict(num_experts=4, top_k=2, every=1, offset=0)) if kind == "nomic-moe" else {}
     cfg = tiny_config("nomic", vocab_size=30528, hf_model_type="nomic_bert", **moe)
     return Embedder(Encoder(cfg), TextTokenizer.from_dir(minilm_path, max_length=160), name=f"tiny-{kind}").eval()
@@ -176,14 +183,14 @@ FAMILY_TEXTS = {"roberta": ["a cat sat on the mat", "the fox and the dog", "a do
                 "xlm-roberta": ["the cat sat", "a fox on the mat over the dog", "dog"]}
 
 
-@pytest.mark.parametrize("kind", ["roberta", "xlm-roberta", "nomic-moe"])
+@pytest.mark.parametrize("kind", ["roberta", "xlm-roberta", "nomic-moe", "move"])
 def test_every_family_equals_encode(kind, tmp_path, minilm_path, texts):
     """float32 at 0.9999 on batches of other shapes; NomicBERT also past its 64 trained positions (Dynamic NTK from
     each text's own length, in the same batch as short texts); XLM-R also int8 at 0.99."""
     from moembed.model.onnx_export import export_onnx
 
     emb = tiny_family(kind, tmp_path, minilm_path)
-    words = FAMILY_TEXTS.get(kind) or texts[:4] + [" ".join(texts) * 2]  # the last: ~150 tokens
+    words = FAMILY_TEXTS.get(kind) or texts[:4] + ([" ".join(texts) * 2] if kind == "nomic-moe" else [])  # ~150 tokens
     quantize = "int8" if kind == "xlm-roberta" else None
     export_onnx(emb, tmp_path / "out", quantize=quantize)
     ref = emb.encode(words)

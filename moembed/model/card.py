@@ -227,10 +227,12 @@ def split_sections(text: str) -> dict[str, str]:
 
 def write_card(parts, tmp: Path, fmt: str, info: CardInfo | None = None, target: Path | None = None) -> None:
     """README.md in the directory being written (`tmp`, renamed onto `target` afterwards). A README.md already in
-    `target` that moembed did not write is copied into the new directory as README.orig.md, with a warning."""
+    `target` that moembed did not write is copied into the new directory as README.orig.md, with a warning; a
+    README.orig.md kept so before is carried over."""
     if target is not None and (target / "README.md").is_file() and read_card(target / "README.md") is None:
-        if not (tmp / KEPT_README).exists():
-            (tmp / KEPT_README).write_bytes((target / "README.md").read_bytes())
+        (tmp / KEPT_README).write_bytes((target / "README.md").read_bytes())
         log.warning("%s: README.md was not written by moembed; kept as %s, the model card replaces it",
                     target, KEPT_README)
+    elif target is not None and (target / KEPT_README).is_file() and not (tmp / KEPT_README).exists():
+        (tmp / KEPT_README).write_bytes((target / KEPT_README).read_bytes())
     (tmp / "README.md").write_text(str(build_card(parts, fmt, info)), encoding="utf-8")

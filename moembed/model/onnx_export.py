@@ -15,12 +15,11 @@ transformers' BERT classes compute, not the layers' forward passes (which remove
 indices, pick CPU fast paths on ~10 conditions and run C loops that no exporter can trace). Inputs `input_ids` and
 `attention_mask` (B, T) int64, both axes dynamic; outputs `last_hidden_state` (B, T, d), zero at padding, and
 `sentence_embedding` (B, d), pooled and normalised as the model is. Token types are always 0, as moembed encodes
-(one segment per text): the graph has no `token_type_ids` input, and ONNX Runtime callers that pass one (Optimum
-does when the graph names it) need not.
+(one segment per text): the graph has no `token_type_ids` input (Optimum feeds a graph only the inputs it names).
 
 MoE blocks are dropless, as at moembed's inference: the router's top-k, then a loop over the experts in which each
 expert gathers its own tokens (`nonzero` on the routing of real tokens), runs on them and adds its gate-weighted
-output back (`index_add`): E small matmuls over k·N rows in all, the work of the layer's `naive` dispatch
+output back (`index_add`): each expert's matmuls over its own rows, k·N rows in all, the work of the layer's `naive` dispatch
 (`moe.MoEBlock._forward_naive`), never all experts on all tokens. torch.export carries the data-dependent row
 counts as symbolic sizes, so the graph is exported with `torch.onnx.export(..., dynamo=True)`; the TorchScript
 exporter would trace one batch's routing into constants. A MoVE embedding layer is exported as its full
@@ -31,7 +30,7 @@ Dynamic NTK (rotary models) is in the graph: each sequence's base from its own r
 from __future__ import annotations
 
 import json
-import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -192,16 +191,19 @@ def export_graph(emb, path: Path, example_length: int = 16) -> None:
 
     graph = ExportGraph(emb).eval()
     B, T = 2, min(example_length, emb.max_length)
-    ids = torch.full((B, T), emb.config.pad_token_id, dtype=torch.long)
+    device = next(emb.parameters()).device
+    ids = torch.full((B, T), emb.config.pad_token_id, dtype=torch.long, device=device)
     ids[:, 0] = 1  # any id: the routing is symbolic, not these values
-    mask = torch.ones(B, T, dtype=torch.long)
+    mask = torch.ones(B, T, dtype=torch.long, device=device)
     mask[1, T // 2:] = 0
     batch, seq = te.Dim("batch", min=1), te.Dim("sequence", min=1, max=_longest(emb))
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # both inputs share the two axes; the exporter warns that it names them once
+        warnings.filterwarnings("ignore", message=".*axis name.*will not be used")
         program = torch.onnx.export(graph, (ids, mask), dynamo=True, input_names=list(INPUTS),
                                     output_names=list(OUTPUTS), dynamic_shapes=shapes, opset_version=OPSET,
-                                    external_data=False, optimize=True, verify=False, report=False)
+                                    external_data=False, optimize=True, verify=False, report=False, verbose=False)
     program.save(str(path), external_data=_needs_external(emb))
 
 
