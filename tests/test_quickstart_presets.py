@@ -170,6 +170,11 @@ def test_tiny_multilingual_quickstart_end_to_end(tmp_path, monkeypatch):
         assert all(r["positive_rank"] < 10 and r["negatives"] for r in fine)
         assert {(r["query"], r["document"]) for r in fine} <= {(r["query"], r["document"]) for r in pre}
 
+    # The terminal's headline is the summary per group of test sets; the per-set table stays in the report.
+    groups = results["report"]["groups"].splitlines()[2:]
+    assert [r.split(" | ")[:2] for r in groups] == [["| cross-lingual", "1"], ["| non-English", "1"],
+                                                    ["| English", "1"], ["| all", "3"]]
+
     # The report compares base, dense and MoE per language and cross-lingually and says what it measured.
     text = (out / "report" / "README.md").read_text()
     assert "## Per language and cross-lingual" in text
