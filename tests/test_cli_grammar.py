@@ -73,7 +73,7 @@ def test_nproc_on_every_command_that_splits_work():
     ("encode", "--device", "<auto|cpu|cuda|cuda:N|mps>"),
     ("moee", "--mode", "<hs|rw|concat|concat_raw>"),
     ("serve", "--dtype", "<auto|float32|bf16|int8>"),
-    ("export", "--format", "<sentence-transformers|huggingface|moembed>"),
+    ("export", "--format", "<sentence-transformers|huggingface|onnx|moembed>"),
     ("quickstart", "--preset", "<english|multilingual>"),
     ("filter", "--backend", "<auto|faiss|exact>"),
 ])
