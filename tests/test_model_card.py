@@ -41,6 +41,8 @@ def test_upcycled_model_names_its_base_and_experts(minilm, tmp_path):
     assert card.data.language == ["en"] and "mixture-of-experts" in card.data.tags
     assert "4 experts, top-2, renormalised gates, MoE layers 2, 4, 6 of 6" in card.text
     assert f"{total:,} total, {active:,} active per token" in card.text
+    assert 'SentenceTransformer("PATH", trust_remote_code=True)' in str(build_card(moe.parts(), "sentence-transformers"))
+    assert 'SentenceTransformer("PATH")' in str(build_card(minilm.parts(), "sentence-transformers"))
 
 
 def test_exports_inherit_the_source_card(make_tiny, tmp_path):

@@ -86,7 +86,8 @@ def architecture(parts) -> list[tuple[str, str]]:
 
 def usage(fmt: str, parts) -> str:
     """How to load a directory of this format, as a fenced Python block."""
-    moe_remote = parts.config.moe is not None or parts.config.move is not None or parts.config.position != "absolute"
+    from moembed.model.families import exporter_for
+
     if fmt == "moembed":
         code = 'from moembed import Embedder\n\nmodel = Embedder.load("PATH")\nvectors = model.encode(["a text"])'
     elif fmt == "onnx":
@@ -99,7 +100,8 @@ def usage(fmt: str, parts) -> str:
     elif fmt == "huggingface":
         code = 'from transformers import AutoModel, AutoTokenizer\n\nmodel = AutoModel.from_pretrained("PATH")'
     else:
-        extra = ", trust_remote_code=True" if moe_remote and parts.config.hf_model_type is None else ""
+        # an encoder no transformers class holds is written with moembed's own module (io.export_sentence_transformers)
+        extra = ", trust_remote_code=True" if exporter_for(parts.config) is None else ""
         code = f'from sentence_transformers import SentenceTransformer\n\nmodel = SentenceTransformer("PATH"{extra})'
         code += '\nvectors = model.encode(["a text"])'
     return f"```python\n{code}\n```"
