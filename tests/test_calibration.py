@@ -216,7 +216,8 @@ def test_an_mlm_run_stores_a_sample_of_its_texts_within_its_position_table(tmp_p
     from moembed.train.config import load_config
     from moembed.train.loop import train
 
-    long = [" ".join(a for _, a in chatterbot_pairs()[i:i + 30]) for i in range(0, 3000, 5)]  # > 64 tokens each
+    answers = [a for _, a in chatterbot_pairs()]
+    long = [" ".join(answers[i:i + 30]) for i in range(0, 2000, 5)]  # 400 texts of more than 64 tokens
     data = write_texts(tmp_path / "t.jsonl", long)
     cfg = load_config(ROOT / "configs" / "tiny" / "mlm.yaml",
                       [f"tokenizer={minilm_path}", f"data=[{{path: {data}}}]", f"output_dir={tmp_path / 'run'}", "steps=1"])
