@@ -278,3 +278,18 @@ def test_quickstart_upcycling_keys_reach_the_model(tmp_path, tiny_dir):
     (tmp_path / "bad.yaml").write_text("upcycling: {router: kmeans}\n")
     with pytest.raises(MoembedError, match="upcycling.router"):
         load_quickstart_config(tmp_path / "bad.yaml")
+
+
+def test_report_warning_quotes_the_measured_gap():
+    from types import SimpleNamespace
+
+    from moembed.recipes.config import load_quickstart_config
+    from moembed.recipes.report_text import MEASURED_GAP, decisions
+
+    qs = SimpleNamespace(cfg=load_quickstart_config(None))
+    stages = {"curate": {"train_sources": {"news": 1200}}}
+    warning = decisions(qs, stages)["warning"]
+    assert "1,200 training pairs" in warning and "benchmarks/moe_vs_dense.py" in warning
+    assert "1,000,000" not in warning  # no generic scale line: the measured gaps instead
+    for name, (mean, lo, hi, seeds) in MEASURED_GAP.items():
+        assert f"{name}: {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] over {seeds} seed" in warning
