@@ -111,6 +111,8 @@ def test_choices_mirror_the_library_registries():
     args = typing.get_args
     assert args(o.Precision) == PRECISIONS
     assert args(o.Pooling) == POOLINGS
+    from moembed.model.convert.upcycle import RouterInit
+    assert args(o.RouterInit) == args(RouterInit)
     assert args(o.Compute) == DTYPES
     assert args(o.ServeCompute) == field(ServeConfig, "dtype")
     assert args(o.InputFormat) == FORMATS

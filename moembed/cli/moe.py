@@ -26,8 +26,8 @@ def upcycle(
     granularity: int = typer.Option(1, "--granularity", help="G > 1: virtual groups of G experts, each a 1/G slice "
                                     "of the MLP (fine-grained upcycling; G divides --experts and --top-k)"),
     reinit: float = typer.Option(0.0, "--reinit", help="ratio of each expert's hidden units re-drawn (Drop-Upcycling)"),
-    router_init: str = typer.Option("random", "--router-init", help="random | kmeans (centroids of the layer's "
-                                    "input token states over --kmeans-texts)"),
+    router_init: o.RouterInit = typer.Option("random", "--router-init", help="kmeans: centroids of the layer's "
+                                    "input token states over --kmeans-texts"),
     kmeans_texts: Path = typer.Option(None, "--kmeans-texts", help="texts (one JSON string per line) for --router-init kmeans"),
     balance_rate: float = typer.Option(0.0, "--balance-rate", help="auxiliary-loss-free balancing: bias step u per "
                                        "optimizer step (0: off)"),

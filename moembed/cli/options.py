@@ -34,6 +34,7 @@ TokenizerKind = Literal["bpe", "wordpiece", "unigram"]  # data.tokenizers.Tokeni
 ExportFormat = Literal["sentence-transformers", "huggingface", "onnx", "moembed"]
 Quantize = Literal["int8"]
 Pooling = Literal["mean", "cls", "last", "max", "mean_sqrt_len", "weightedmean"]  # model.pooling.POOLINGS
+RouterInit = Literal["random", "kmeans"]  # model.convert.upcycle.RouterInit
 Preset = Literal["english", "multilingual"]  # recipes.config.RECIPE_PRESETS
 RecipeDevice = Literal["auto", "cpu", "cuda", "mps"]  # recipes.config.QuickstartConfig.device
 MoEEMode = Literal["hs", "rw", "concat", "concat_raw"]  # moee.combine.MODES
