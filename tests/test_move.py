@@ -264,7 +264,8 @@ def test_export_parity_on_real_text(pair, corpus):
 def test_save_load_round_trip(pair, corpus, tmp_path, family):
     emb = tiny_move(pair, family=family, routing="learned" if family == "nomic" else "hash")
     emb.save(tmp_path / "m")
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                               "tokenizer.json"]  # README.md: the model card
     back = Embedder.load(tmp_path / "m")
     assert back.config == emb.config
     a, b = emb.encoder.embeddings.word, back.encoder.embeddings.word

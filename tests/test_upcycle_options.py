@@ -257,16 +257,23 @@ def test_cli_upcycle_groups_and_info_probe_with_labels(tmp_path, tiny_dir):
 
 
 def test_quickstart_upcycling_keys_reach_the_model(tmp_path, tiny_dir):
-    from types import SimpleNamespace
-
     from moembed.model.embedder import Embedder
     from moembed.recipes import training
     from moembed.recipes.config import load_quickstart_config
+    from moembed.recipes.quickstart import Quickstart
     from moembed.recipes.report_text import upcycling
 
     (tmp_path / "qs.yaml").write_text("experts: 8\ntop_k: 4\nupcycling: {granularity: 4, balance_rate: 0.01}\n")
     cfg = load_quickstart_config(tmp_path / "qs.yaml")
-    qs = SimpleNamespace(cfg=cfg, base=tiny_dir, base_name="tiny", out=tmp_path / "out")
+
+    # a quickstart whose curate stage is done: the pool the upcycle stage draws its int8 calibration sample from
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    (out / "stages").mkdir()
+    pairs = [{"query": f"query {i}", "document": f"document number {i}"} for i in range(8)]
+    (out / "train" / "src.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (out / "stages" / "curate.json").write_text(json.dumps({"train_sources": ["src"]}))
+    qs = Quickstart(cfg.model_copy(update={"base": str(tiny_dir), "device": "cpu"}), out, progress=False)
     training.upcycle(qs)
     moe = Embedder.load(tmp_path / "out" / "models" / "moe-init").config.moe
     assert (moe.num_experts, moe.top_k, moe.expert_size, moe.balance_rate) == (8, 4, 16, 0.01)
