@@ -34,7 +34,7 @@ from moembed.model.card import CardInfo, write_card
 from moembed.model.config import EncoderConfig
 from moembed.model.families import FAMILIES, converter_for, exporter_for
 from moembed.model.pooling import POOLINGS
-from moembed.model.st_config import read_st_settings, tokenizer_max_length, write_st_modules
+from moembed.model.st_config import read_json, read_st_settings, tokenizer_max_length, write_st_modules
 from moembed.model.tokenizer import TextTokenizer
 from moembed.version import __version__
 
@@ -60,15 +60,6 @@ class ModelParts:
     weights_path: Path | None = None  # where the weights were read from (named in errors)
     similarity_fn_name: str = "cosine"  # "cosine" | "dot", as sentence-transformers' config names it
     default_prompt_name: str | None = None  # the prompt `encode` applies when given none (a key of prompts)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MoembedError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoembedError(f"{path}: not valid JSON ({e})") from None
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -98,7 +89,7 @@ def read_parts(path: str | Path, max_length: int | None = None, pooling: str | N
         raise MoembedError(f"{path}: not a model directory (a file)")
     if pooling is not None and pooling not in POOLINGS:
         raise MoembedError(f"pooling: unknown mode {pooling!r}; choose one of {', '.join(POOLINGS)}")
-    cfg = _read_json(path / "config.json")
+    cfg = read_json(path / "config.json")
     parts = _read_moembed(path, cfg, max_length) if cfg.get("format") == "moembed" else _read_hf(path, cfg, max_length)
     if pooling is not None:
         parts.pooling = pooling
@@ -108,7 +99,7 @@ def read_parts(path: str | Path, max_length: int | None = None, pooling: str | N
 def pooling_origin(path: str | Path) -> str:
     """Where a model directory's pooling comes from, read from its small config files only (`moembed info`)."""
     path = Path(path)
-    if _read_json(path / "config.json").get("format") == "moembed":
+    if read_json(path / "config.json").get("format") == "moembed":
         return MOEMBED_ORIGIN
     return read_st_settings(path).origin
 

@@ -61,7 +61,8 @@ class StSettings:
     embedding_dimension: int | None = None  # as the pooling config states it, checked against the encoder
 
 
-def _read_json(path: Path):
+def read_json(path: Path):
+    """A JSON file's value; a missing or malformed file is a MoembedError naming it."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -86,7 +87,7 @@ def read_st_settings(path: Path) -> StSettings:
 
 def _read_modules(file: Path) -> tuple[str, bool]:
     """(the Pooling module's directory, whether a Normalize follows) from modules.json; any other layout raises."""
-    modules = _read_json(file)
+    modules = read_json(file)
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise MoembedError(f"{file}: expected a list of module objects")
     kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
@@ -105,7 +106,7 @@ def _read_modules(file: Path) -> tuple[str, bool]:
 
 def _read_pooling(file: Path) -> StSettings:
     """Either pooling format (module docstring) → moembed's mode; combinations and unknown modes raise."""
-    cfg = _read_json(file)
+    cfg = read_json(file)
     if not isinstance(cfg, dict):
         raise MoembedError(f"{file}: expected a JSON object")
     supported = ", ".join(ST_POOLING)
@@ -137,7 +138,7 @@ def _read_pooling(file: Path) -> StSettings:
 
 
 def _read_max_length(file: Path) -> int | None:
-    value = _read_json(file)
+    value = read_json(file)
     value = value.get("max_seq_length") if isinstance(value, dict) else None
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise MoembedError(f"{file}: max_seq_length: expected a positive integer, got {value!r}")
@@ -146,7 +147,7 @@ def _read_max_length(file: Path) -> int | None:
 
 def _read_st_config(file: Path, out: StSettings) -> None:
     """Prompts, default prompt name and similarity function of config_sentence_transformers.json into `out`."""
-    cfg = _read_json(file)
+    cfg = read_json(file)
     if not isinstance(cfg, dict):
         raise MoembedError(f"{file}: expected a JSON object")
     kind = cfg.get("model_type", "SentenceTransformer")
@@ -172,7 +173,7 @@ def tokenizer_max_length(path: Path) -> int | None:
     file = path / "tokenizer_config.json"
     if not file.exists():
         return None
-    value = _read_json(file)
+    value = read_json(file)
     value = value.get("model_max_length") if isinstance(value, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
