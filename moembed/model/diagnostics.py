@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moembed.model.inference import length_sorted_batches
-from moembed.model.utilisation import LayerUtilisation, from_output, merge
+from moembed.model.utilisation import LayerUtilisation, encoder_passes, from_output, merge
 
 
 def moe_blocks(embedder) -> list[tuple[int, torch.nn.Module]]:
@@ -82,14 +81,8 @@ def diagnose(embedder, texts: list[str], labels: list[str] | None = None, batch_
     names = sorted(set(labels)) if labels is not None else []
     code = {n: j for j, n in enumerate(names)}
     joint = [torch.zeros(len(names), b.num_experts, dtype=torch.long) for _, b in blocks]  # (L, E) per layer
-    was_training = embedder.training
-    embedder.eval()
-    device = next(embedder.parameters()).device
-    ids, _ = embedder.token_ids(texts, prefix)
     util = None
-    for idx in length_sorted_batches([len(x) for x in ids], batch_size):
-        input_ids, mask = embedder.tokenizer.pad([ids[i] for i in idx])  # (B, T) each
-        out = embedder.encoder(input_ids.to(device), mask.to(device))
+    for idx, mask, out in encoder_passes(embedder, texts, batch_size, prefix):
         rows = from_output(out, [i for i, _ in blocks])
         util = rows if util is None else merge(util, rows)
         if labels is not None:
@@ -98,7 +91,6 @@ def diagnose(embedder, texts: list[str], labels: list[str] | None = None, batch_
                 chosen = chosen_experts(block, logits.cpu())  # (N, k)
                 flat = tok_label[:, None].expand_as(chosen) * block.num_experts + chosen  # (N, k)
                 joint[j] += torch.bincount(flat.flatten(), minlength=joint[j].numel()).view_as(joint[j])
-    embedder.train(was_training)
     out = []
     for j, (i, block) in enumerate(blocks):
         div = expert_divergence(block.experts.fc1_weight, block.experts.fc2_weight)

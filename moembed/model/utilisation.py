@@ -83,17 +83,26 @@ def probe(embedder, texts: list[str], batch_size: int = 32, prefix: str = "") ->
     layers = embedder.config.moe_layers()
     if not layers:
         return []
+    report = None
+    for _, _, out in encoder_passes(embedder, texts, batch_size, prefix):
+        rows = from_output(out, layers)
+        report = rows if report is None else merge(report, rows)
+    return report or []
+
+
+def encoder_passes(embedder, texts: list[str], batch_size: int, prefix: str = ""):
+    """Yield (indices, mask (B, T), encoder output) per length-sorted batch of `texts`, the model in eval mode
+    meanwhile (no jitter); the probes of utilisation and diagnostics read their routing from these passes."""
     was_training = embedder.training
     embedder.eval()
     device = next(embedder.parameters()).device
     ids, _ = embedder.token_ids(texts, prefix)
-    report = None
-    for idx in length_sorted_batches([len(x) for x in ids], batch_size):
-        input_ids, mask = embedder.tokenizer.pad([ids[i] for i in idx])  # (B, T) each
-        rows = from_output(embedder.encoder(input_ids.to(device), mask.to(device)), layers)
-        report = rows if report is None else merge(report, rows)
-    embedder.train(was_training)
-    return report or []
+    try:
+        for idx in length_sorted_batches([len(x) for x in ids], batch_size):
+            input_ids, mask = embedder.tokenizer.pad([ids[i] for i in idx])  # (B, T) each
+            yield idx, mask, embedder.encoder(input_ids.to(device), mask.to(device))
+    finally:
+        embedder.train(was_training)
 
 
 def format_report(rows: list[LayerUtilisation]) -> list[str]:
