@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -47,7 +48,7 @@ OPTIONS: dict[str, dict] = {
 def config(args, option: str, seed: int):
     from moembed.recipes.config import QuickstartConfig
 
-    doc = {"size": args.size, "seed": seed, "device": "cpu", "eval": {"precisions": ["float32"], "suite": False}}
+    doc = {"size": args.size, "max_pairs": args.max_pairs, "seed": seed, "device": args.device, "eval": {"precisions": ["float32"], "suite": False}}
     over = dict(OPTIONS[option])
     train = {**over.pop("train", {}), **({"steps": args.steps} if args.steps else {}),
              **({"batch_size": args.batch_size} if args.batch_size else {})}
@@ -66,6 +67,8 @@ def prepare(args) -> Path:
     shared = args.out / "shared"
     qs = Quickstart(config(args, "dense", 0), shared, progress=False)
     for name, fn in (("data", qs.build_data), ("curate", qs.curate)):
+        if name == "curate" and args.data_only:
+            return shared
         if not (qs.stages / f"{name}.json").exists():
             t = time.perf_counter()
             result = fn()
@@ -125,11 +128,11 @@ def run(args, option: str, seed: int) -> dict:
     sources = qs.stage_result("curate")["train_sources"]
     rows = {s: [r for _, r in iter_jsonl(out / "train" / f"{s}.jsonl")] for s in sources}
     batch = [r for s in sorted(rows) for r in rows[s][:8]][:32]
-    grad0 = router_gradient(Embedder.load(out / "models" / f"{kind}-init"), batch) if kind == "moe" else []
+    grad0 = router_gradient(Embedder.load(out / "models" / f"{kind}-init", device=args.device), batch) if kind == "moe" else []
     t = time.perf_counter()
     training.train(qs, kind)
     train_s = time.perf_counter() - t
-    model = Embedder.load(out / "runs" / kind / "model")
+    model = Embedder.load(out / "runs" / kind / "model", device=args.device)
     grad1 = router_gradient(model, batch) if kind == "moe" else []
     model.eval()
     total, active = count_parameters(model)
@@ -217,11 +220,15 @@ def main() -> None:
     p.add_argument("--options", default="dense,copies,groups")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
+    p.add_argument("--max-pairs", type=int, default=None, help="training pairs per built-in dataset (default: by --size)")
     p.add_argument("--steps", type=int, default=None, help="finetuning steps (default: the quickstart's)")
     p.add_argument("--batch-size", type=int, default=None, help="finetuning batch (default: the quickstart's)")
     p.add_argument("--suite-datasets", default="gcide", help="dev suite retrieval corpora, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="runs at a time, each in its own process")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / workers)")
+    p.add_argument("--device", default="cpu", help="where runs train and evaluate: cpu, cuda, cuda:N")
+    p.add_argument("--data-only", action="store_true",
+                   help="only build the data pools (the curate stage then runs with the first study, e.g. on a GPU)")
     p.add_argument("--summarise-only", action="store_true", help="only rebuild the table and figure from OUT/runs")
     args = p.parse_args()
     args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
@@ -231,10 +238,14 @@ def main() -> None:
     if bad:
         sys.exit(f"unknown options {bad}; choose from {', '.join(OPTIONS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.data_only:
+        prepare(args)
+        return
     if not args.summarise_only:
         prepare(args)
         jobs = [(o, s) for s in seeds for o in options]
-        with ProcessPoolExecutor(args.workers) as pool:
+        # spawn: the data stages may have initialised CUDA in this process, which a forked child cannot reuse
+        with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for r in pool.map(run, [args] * len(jobs), *zip(*jobs)):
                 print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
                       f"train {r['train_seconds']} s", flush=True)
