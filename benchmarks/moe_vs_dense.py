@@ -1,6 +1,9 @@
 """Does the MoE beat its dense control? Each upcycling option against the dense model, same data, steps, batches.
 
     python benchmarks/moe_vs_dense.py --out /tmp/moe-study --options dense,copies,groups --seeds 0,1 --workers 2
+    python benchmarks/moe_vs_dense.py --out /tmp/big --size large --max-pairs 40000 --data-only     # pools only
+    python benchmarks/moe_vs_dense.py --out /tmp/big --size large --max-pairs 40000 --device cuda \
+        --batch-size 256 --steps 500 --workers 6 --threads 2                                      # then, on a GPU
 
 The quickstart's stages, through its public functions: the data and curated pools are built once (seed 0) in
 OUT/shared; then every (option, seed) run gets its own directory that links them, upcycles the base
@@ -231,6 +234,7 @@ def main() -> None:
                    help="only build the data pools (the curate stage then runs with the first study, e.g. on a GPU)")
     p.add_argument("--summarise-only", action="store_true", help="only rebuild the table and figure from OUT/runs")
     args = p.parse_args()
+    args.out = args.out.resolve()  # the runs link the shared pools by absolute path
     args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     options = args.options.split(",")
