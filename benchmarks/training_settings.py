@@ -63,8 +63,8 @@ def child(work: Path, kind: str, steps: int, setting: str) -> None:
         from moembed.model.experts import Experts
 
         Experts.row_multiple = int(os.environ[GROUPED_ROWS])
-    qs = prepare(work, None)
-    cfg = training.train_config(qs, kind).model_copy(update={"steps": steps, "output_dir": str(run_dir(work, kind))})
+    ctx = prepare(work, None)
+    cfg = training.train_config(ctx, kind).model_copy(update={"steps": steps, "output_dir": str(run_dir(work, kind))})
     train(cfg)
     print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
