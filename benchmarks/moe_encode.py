@@ -115,7 +115,9 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
 
     # The matmuls alone, on one pass's loads of the first MoE layer (as the dispatch pads them), three ways.
     block = moe.encoder.layers[layers[0]].mlp
-    packed = block.experts._packed(torch.float32)
+    experts = block.experts
+    packed = [(pack(experts.fc1_weight[e], torch.float32), pack(experts.fc2_weight[e], torch.float32))
+              for e in range(experts.num_experts)]
     first = [(n, c) for (n, _), c in zip(calls["moe"], loads)][: len(calls["moe"]) // runs][:: len(layers)]
     dense_mlp = dense.encoder.layers[layers[0]].mlp
     w = [(pack(dense_mlp.fc1.weight, torch.float32), dense_mlp.fc1.bias),

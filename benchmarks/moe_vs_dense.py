@@ -58,9 +58,9 @@ def config(args, option: str, seed: int):
     return QuickstartConfig(**{**doc, **over, "train": train})
 
 
-def write_stage(qs, name: str, result: dict) -> None:
-    qs.stages.mkdir(parents=True, exist_ok=True)
-    (qs.stages / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+def write_stage(ctx, name: str, result: dict) -> None:
+    ctx.stages.mkdir(parents=True, exist_ok=True)
+    (ctx.stages / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def prepare(args) -> Path:
@@ -72,11 +72,7 @@ def prepare(args) -> Path:
     for name, fn in (("data", qs.build_data), ("curate", qs.curate)):
         if name == "curate" and args.data_only:
             return shared
-        if not (qs.stages / f"{name}.json").exists():
-            t = time.perf_counter()
-            result = fn()
-            result["seconds"] = round(time.perf_counter() - t, 1)
-            write_stage(qs, name, result)
+        qs.run_stage(name, fn)  # skipped when an earlier run finished it
     from moembed.eval.suite import build_suite
 
     build_suite(args.out / "dev-suite", 0, args.suite_datasets)
@@ -113,7 +109,7 @@ def run(args, option: str, seed: int) -> dict:
     from moembed.model.embedder import Embedder
     from moembed.recipes import training
     from moembed.recipes.curation import held_out_dirs
-    from moembed.recipes.quickstart import Quickstart
+    from moembed.recipes.quickstart import open_context
 
     out = args.out / "runs" / f"{option}-s{seed}"
     if (out / "result.json").exists():
@@ -123,17 +119,17 @@ def run(args, option: str, seed: int) -> dict:
     for d in ("data", "train"):
         if not (out / d).exists():
             (out / d).symlink_to(shared / d)
-    qs = Quickstart(config(args, option, seed), out, progress=False)
+    ctx = open_context(config(args, option, seed), out, progress=False, owns_process=True)
     for name in ("data", "curate"):
-        write_stage(qs, name, json.loads((shared / "stages" / f"{name}.json").read_text()))
+        write_stage(ctx, name, json.loads((shared / "stages" / f"{name}.json").read_text()))
     kind = "dense" if option == "dense" else "moe"
-    training.upcycle(qs)
-    sources = qs.stage_result("curate")["train_sources"]
+    training.upcycle(ctx)
+    sources = ctx.stage_result("curate")["train_sources"]
     rows = {s: [r for _, r in iter_jsonl(out / "train" / f"{s}.jsonl")] for s in sources}
     batch = [r for s in sorted(rows) for r in rows[s][:8]][:32]
     grad0 = router_gradient(Embedder.load(out / "models" / f"{kind}-init", device=args.device), batch) if kind == "moe" else []
     t = time.perf_counter()
-    training.train(qs, kind)
+    training.train(ctx, kind)
     train_s = time.perf_counter() - t
     model = Embedder.load(out / "runs" / kind / "model", device=args.device)
     grad1 = router_gradient(model, batch) if kind == "moe" else []
@@ -141,7 +137,7 @@ def run(args, option: str, seed: int) -> dict:
     total, active = count_parameters(model)
     view = View(None, "float32", 64)
     scores, suite, encode_s = {}, {}, 0.0
-    for name, path in held_out_dirs(qs).items():
+    for name, path in held_out_dirs(ctx).items():
         r = run_task(model, load_task(path), view)
         scores[name], encode_s = r.main_score, encode_s + r.evaluation_time
     for path in build_suite(args.out / "dev-suite", 0, args.suite_datasets):
@@ -154,7 +150,7 @@ def run(args, option: str, seed: int) -> dict:
     result = {"option": option, "seed": seed, "scores": scores, "suite": suite, "total_params": total,
               "active_params": active, "train_seconds": round(train_s, 1), "eval_seconds": round(encode_s, 1),
               "router_grad_step0": grad0, "router_grad_trained": grad1, "diagnostics": diag,
-              "pairs_seen": qs.cfg.train.steps * qs.cfg.train.batch_size, "threads": args.threads}
+              "pairs_seen": ctx.cfg.train.steps * ctx.cfg.train.batch_size, "threads": args.threads}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(out / "runs" / kind / "checkpoints", ignore_errors=True)
     return result

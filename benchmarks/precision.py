@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import platform
 import statistics
 import sys
 import time
@@ -42,10 +43,22 @@ from sentences import news_sentences  # noqa: E402
 
 
 def cpu_flags() -> str:
-    flags = torch._C._cpu._get_cpu_capability()
-    keys = ("avx2", "avx512_f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-    have = [k for k in keys if flags.get(k)]
-    return f"{flags.get('cpu_name', '?')}: {' '.join(have)}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+    """The CPU's name and its matmul-relevant flags as Linux reports them, and the kernels torch runs."""
+    name, flags = platform.processor() or "?", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:  # not Linux
+        pass
+    keys = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    have = [k for k in keys if k in flags]
+    return f"{name}: {' '.join(have)}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 class OrtMiniLM:

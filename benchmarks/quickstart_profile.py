@@ -66,7 +66,7 @@ def main() -> None:
         shutil.rmtree(args.out)
     sampler = RssSampler()
     stages: dict[str, dict] = {}
-    original = Quickstart._stage
+    original = Quickstart.run_stage
 
     def profiled(self, name, fn, n, total):
         sampler.reset()
@@ -81,10 +81,10 @@ def main() -> None:
         print(name, json.dumps(stages[name]), flush=True)
         return result
 
-    Quickstart._stage = profiled
+    Quickstart.run_stage = profiled
     cfg = load_quickstart_config(args.config, args.preset, steps=args.steps, device=args.device)
     t0, c0 = time.perf_counter(), os.times()
-    Quickstart(cfg, args.out, progress=False).run()
+    Quickstart(cfg, args.out, progress=False, owns_process=True).run()  # as `moembed quickstart` runs it
     c1 = os.times()
     sampler.stop()
     import resource

@@ -27,14 +27,14 @@ from quickstart_profile import RssSampler  # noqa: E402
 
 
 def prepare(work: Path, device: str | None):
-    """The quickstart with its first three stages done in `work` (data, curation, upcycling), once."""
+    """The quickstart's context with its first three stages done in `work` (data, curation, upcycling), once."""
     from moembed.recipes.quickstart import Quickstart, load_quickstart_config
 
-    qs = Quickstart(load_quickstart_config(None, device=device), work, progress=False)
+    qs = Quickstart(load_quickstart_config(None, device=device), work, progress=False, owns_process=True)
     first = [("data", qs.build_data), ("curate", qs.curate), ("upcycle", qs.upcycle)]
     for i, (name, fn) in enumerate(first):
-        qs._stage(name, fn, i + 1, len(first))  # skipped when an earlier run finished it
-    return qs
+        qs.run_stage(name, fn, i + 1, len(first))  # skipped when an earlier run finished it
+    return qs.ctx
 
 
 def main() -> None:
@@ -57,9 +57,9 @@ def main() -> None:
     from moembed.recipes import training
     from moembed.train.loop import Trainer
 
-    qs = prepare(args.work, args.device)
-    cfg = training.train_config(qs, args.kind).model_copy(update={"output_dir": str(args.work / "recompute-run")})
-    cuda = qs.device.type == "cuda"
+    ctx = prepare(args.work, args.device)
+    cfg = training.train_config(ctx, args.kind).model_copy(update={"output_dir": str(args.work / "recompute-run")})
+    cuda = ctx.device.type == "cuda"
     sampler = None if cuda else RssSampler(period=0.01)
     seconds: dict[bool, list[float]] = {False: [], True: []}
     peak: dict[bool, float] = {False: 0.0, True: 0.0}
@@ -102,7 +102,7 @@ def main() -> None:
             sampler.stop()
     kept, recomputed = seconds[False][1:], seconds[True][1:]  # step 1 pays one-time costs (probes, packing)
     report = {
-        "kind": args.kind, "steps": args.steps, "device": str(qs.device),
+        "kind": args.kind, "steps": args.steps, "device": str(ctx.device),
         "clock": "wall (synchronised)" if cuda else "process CPU",
         "kept_s": round(sum(kept), 1), "recomputed_s": round(sum(recomputed), 1),
         "ratio": round(sum(recomputed) / sum(kept), 4),

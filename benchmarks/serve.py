@@ -73,14 +73,14 @@ def diy_server(model: str, port: int) -> None:
 # ---- servers ------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start(kind: str, model: str, threads: int, infinity: str | None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     if kind in ("moembed", "moembed-int8"):
         cmd = [sys.executable, "-m", "moembed.cli.main", "serve", model, "--port", str(port), "--device", "cpu",

@@ -35,9 +35,9 @@ SETTINGS = {"default": [], "no-slices": ["--max-share-tokens", "4096"], "share-1
 
 def start(model: str, threads: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
     import httpx
-    from serve import _free_port
+    from serve import free_port
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "moembed.cli.main", "serve", model, "--port", str(port), "--device", "cpu", *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

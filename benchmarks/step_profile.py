@@ -99,7 +99,7 @@ def linear_rate(widths: tuple[int, int], device, tokens: int = 4096, reps: int =
     return flops / min(times) / 1e9
 
 
-def profile_kind(qs, kind: str, steps: int, work: Path, top: int) -> dict:
+def profile_kind(ctx, kind: str, steps: int, work: Path, top: int) -> dict:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -109,7 +109,7 @@ def profile_kind(qs, kind: str, steps: int, work: Path, top: int) -> dict:
 
     out = work / f"step-profile-{kind}"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resumed one
-    cfg = training.train_config(qs, kind).model_copy(update={"output_dir": str(out)})
+    cfg = training.train_config(ctx, kind).model_copy(update={"output_dir": str(out)})
     t = Trainer(cfg, False)
     for _ in range(2):
         t.train_step()
@@ -182,12 +182,12 @@ def main() -> None:
     from moembed.heap import bounded_heap
     from recompute import prepare
 
-    qs = prepare(args.work, args.device)
+    ctx = prepare(args.work, args.device)
     report = []
     with bounded_heap():
         dist.init_from_env("gloo")
         for kind in (("moe", "dense") if args.kind == "both" else (args.kind,)):
-            report.append(profile_kind(qs, kind, args.steps, args.work, args.top))
+            report.append(profile_kind(ctx, kind, args.steps, args.work, args.top))
             print(json.dumps(report[-1], indent=1), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

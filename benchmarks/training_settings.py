@@ -56,6 +56,7 @@ def child(work: Path, kind: str, steps: int, setting: str) -> None:
     configure_process(training=setting != "wait-policy")  # the command's settings; the wait policy is the parent's
     from recompute import prepare
 
+    from moembed.heap import bounded_heap
     from moembed.recipes import training
     from moembed.train.loop import train
 
@@ -63,9 +64,10 @@ def child(work: Path, kind: str, steps: int, setting: str) -> None:
         from moembed.model.experts import Experts
 
         Experts.row_multiple = int(os.environ[GROUPED_ROWS])
-    qs = prepare(work, None)
-    cfg = training.train_config(qs, kind).model_copy(update={"steps": steps, "output_dir": str(run_dir(work, kind))})
-    train(cfg)
+    ctx = prepare(work, None)
+    cfg = training.train_config(ctx, kind).model_copy(update={"steps": steps, "output_dir": str(run_dir(work, kind))})
+    with bounded_heap():  # as `moembed train` runs it (a no-op on mimalloc)
+        train(cfg)
     print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

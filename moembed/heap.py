@@ -1,77 +1,41 @@
-"""Keep a long CPU run's resident memory at what its largest step needs, not what its history of steps left behind.
+"""The memory allocator and process settings of a process that moembed owns (`moembed train`, `quickstart`, ...).
 
-glibc's malloc serves blocks above its mmap threshold with mmap and returns them to the system on free, but it
-raises that threshold to the size of every such block freed (up to 32 MiB). After the first training step, the
-activation buffers of later steps — of a different size at every sequence length — come from the heap instead,
-where freed ones fragment and stay resident. Measured on the quickstart's dense all-MiniLM-L6-v2 finetuning
-(variable-length batches, 2 threads, AMD EPYC): resident memory between steps grew from 1.25 to 2.48 GiB over
-40 steps and reached 4.6 GiB by step 200; with the threshold fixed at 1 MiB it stays at 1.1 GiB between steps
-(BENCHMARKS.md, "Quickstart: where the time and memory go"). The price is page faults: every buffer above the
-threshold is fresh memory. `moembed encode` (2,000 texts, dense MiniLM upcycle) spent 17.9 s instead of 3.6 s in
-the kernel and took 1.38× the wall time for 80 MiB less memory, so only training fixes it (`moembed.train.train`),
-and only while it trains: the evaluation after it in the same process paid 24% more CPU time under the fixed
-threshold (BENCHMARKS.md), so leaving the block sets glibc's ceiling, the state its own rule reaches after the
-first large free.
+A program that imports the library keeps its own settings: these are set by the commands, which own their process,
+and by a program of the user's that asks for them.
 
-oneDNN (the packed float32 linear layers and experts of CPU inference, where packing is on) keeps one primitive
-per matmul shape it has seen, up to 1,024 by default, each with its own buffers. An MoE layer's experts see a new
-token count almost every batch, so a process encoding with an MoE model grew from 1.1 to 2.0 GiB over 12 passes of
-the same texts; with the cache capped it stays near 1 GiB (BENCHMARKS.md, "MoE dispatch against its FLOP floor").
-Inference keeps 256: at 64, the dense layers' one-off shapes (a new token count each batch) pushed out the
-experts' recurring ones, and `moembed encode` of the upcycled MiniLM made 1,240 kernels in 0.71 s where 256 makes
-450 in 0.25 s (1,024: 414) — 0.965x the command's wall time, 26 MiB more peak; over five passes of varied batches
-in one process, 1,223 MiB against 1,180 at 64 and 1,392 at 1,024 (BENCHMARKS.md, "A primitive cache that holds
-the experts' shapes"). Training commands keep 512 instead: in bf16 on a CPU a step runs every expert's matmuls in
-six shapes (fc1 and fc2; forward, input and weight gradients) per row count, its rows padded so that the counts recur
-(`moembed.model.experts.ROW_MULTIPLE`), some hundreds of shapes in all; at 64 each was made again every step, about
-0.4 ms apiece. The quickstart's MoE finetuning took 0.89x the CPU time for 5% more peak memory at 512 (0.95x, +9% at
-1,024; 0.98x at 256). oneDNN reads the cap once, when it makes its first primitive, so the `moembed` command sets it
-on start; a program using the library sets ONEDNN_PRIMITIVE_CACHE_CAPACITY itself before its first model runs.
+Training's heap. glibc's malloc raises its mmap threshold to the size of every large block freed; after the first
+training step the activation buffers of later steps (a new size at every sequence length) come from the heap,
+where freed ones fragment and stay resident, so memory grows with the run's history. With the threshold fixed
+they are mmapped and returned on free, and memory follows what the current step needs. The price is a page fault
+per fresh page, which inference does not pay for (it keeps glibc's default), and training commands avoid by running
+on mimalloc (Leijen et al. 2019), which keeps freed pages for reuse and returns them after a delay. The delay is
+longer than a step (`PURGE_DELAY_MS`): the weight gradients freed by `zero_grad(set_to_none=True)` at a step's start
+are made again at its end, and would otherwise be faulted in again every step. A process's allocator is chosen
+when it starts, so the `moembed` command starts itself again with mimalloc preloaded, as PyTorch's CPU launcher
+does for jemalloc; MOEMBED_ALLOCATOR=system or a user's own LD_PRELOAD keeps it as it is.
 
-The fixed threshold's price is page faults on fresh memory, 4 KiB at a time. PyTorch's THP_MEM_ALLOC_ENABLE=1
-aligns its buffers of 2 MiB and more to huge pages and asks the kernel for them (madvise), 512 times fewer faults:
-an MoE training step took 4.01 instead of 4.49 CPU s (1 thread, AVX2 EPYC), and encoding was no slower, with less
-memory. PyTorch reads it at its first allocation, so the command sets it before importing torch.
-
-    bounded_heap()        a block that runs with the threshold fixed, then restores the ceiling and trims
-    bound_heap_growth()   fix the threshold (no-op off glibc, or when MALLOC_MMAP_THRESHOLD_ is set by the user)
-    release_free_heap()   return the heap's free pages to the system (malloc_trim): between a recipe's stages
-
-A training process also sets OMP_WAIT_POLICY=PASSIVE: OpenMP's worker threads then sleep at the end of a parallel
-region instead of spinning for it. Between a training step's matmuls the main thread runs autograd, the optimizer
-and the loss alone, and spinning workers burned that time as CPU: the quickstart's finetuning (20 steps, 2 threads,
-AVX2 EPYC, 9 pairs of fresh runs, dense and MoE; benchmarks/training_settings.py) took 0.87x the CPU time with it
-(median; never more), at 0.98x the wall time (0.88-1.14x). Encoding, whose regions are long matmuls back to back,
-showed no gain, so inference commands keep OpenMP's default. OpenMP reads the policy when torch loads it, so the
-command sets it before importing torch.
-
-    process_settings()    ONEDNN_PRIMITIVE_CACHE_CAPACITY = PRIMITIVE_CACHE, THP_MEM_ALLOC_ENABLE = 1 (Linux);
-                          training: OMP_WAIT_POLICY = PASSIVE, the cache at TRAINING_PRIMITIVE_CACHE
-    configure_process()   set those the user has not, as the `moembed` command does on start
-
-Training commands run on mimalloc (Leijen et al. 2019), not glibc's malloc. With the threshold fixed, every
-activation buffer of every step is fresh memory from the kernel, faulted in and zeroed, then unmapped on free: the
-quickstart spent 12% of its CPU time in the kernel (38 million page faults). mimalloc keeps freed pages for reuse
-and returns them to the system after a short delay, so a step reuses the last one's memory and the resident size
-still follows what the step needs. The `moembed` command starts itself again with the library that the
-cmeel-mimalloc package installs preloaded (a process's allocator is chosen when it starts), as PyTorch's own CPU
-launcher does for jemalloc; MOEMBED_ALLOCATOR=system or a user's own LD_PRELOAD keeps it as it is. The quickstart's
-finetuning (2 threads, AVX2 EPYC, 6 pairs of fresh runs) took 0.97x the CPU time at the same peak, with half the
-page faults (BENCHMARKS.md, "Training on mimalloc").
-
-mimalloc's own delay before it returns freed pages is 10 ms, shorter than a training step: buffers freed in one step
-and wanted again in the next — above all the weight gradients, which `zero_grad(set_to_none=True)` frees at the
-start of every step and backward makes again at its end, 4x the FLOP-matched dense model's in an MoE — were returned
-and faulted in again (zeroed by the kernel, huge pages included) every step. The MoE experts' matmuls of a training
-step (`benchmarks/expert_gemm.py`'s, gradients freed between steps, 1 thread, AMD EPYC Zen 4) took 0.46 s of system
-time against the wide MLP's 0.03 s, the whole of their excess over it; with the delay at `PURGE_DELAY_MS` (10 s)
-none (BENCHMARKS.md, "Freed pages kept for the next step"). Memory a stage leaves behind is still returned at once
-by `release_free_heap`, and a user's own MIMALLOC_PURGE_DELAY is kept.
-
-    mimalloc_library()    the installed library's path, or None
+    bounded_heap()        a block that runs with the threshold fixed, then restores glibc's ceiling and trims:
+                          what the training commands wrap `moembed.train.loop.train` in
+    bound_heap_growth()   fix the threshold (no-op off glibc, on mimalloc, or when MALLOC_MMAP_THRESHOLD_ is set)
+    release_free_heap()   return the heap's free pages to the system (malloc_trim, or mimalloc's collection):
+                          between a recipe's stages, so one stage's leftovers are not under the next one's peak
+    mimalloc_library()    the installed library's path (package cmeel-mimalloc), or None
     allocator()           the allocator this process runs on: "mimalloc" or "system"
     preload_environment() the environment to start a training command again with, or None to run it as it is
     start_on_mimalloc()   start this process again that way (returns only where it runs as it is)
+
+Process settings, read once when torch, oneDNN or OpenMP load, so set before torch is imported:
+oneDNN keeps one primitive (a kernel with its buffers) per matmul shape it has seen; an MoE layer's experts see a
+new row count almost every batch, so the cache is capped — at `PRIMITIVE_CACHE` for inference, large enough for the
+experts' recurring padded shapes beside the dense layers' one-off ones, and at `TRAINING_PRIMITIVE_CACHE` in
+training, whose bf16 steps run every expert's matmuls in six shapes per row count. PyTorch's THP_MEM_ALLOC_ENABLE=1
+backs large buffers with huge pages (512 times fewer faults). Training sets OMP_WAIT_POLICY=PASSIVE: OpenMP's idle
+workers sleep between a step's matmuls instead of spinning while the main thread runs autograd and the optimizer.
+
+    process_settings()    those settings for an inference or a training process
+    configure_process()   set those the user has not, as the `moembed` command does on start
+
+Measurements of each choice, with their commands: BENCHMARKS.md, "Training's process settings".
 """
 
 from __future__ import annotations

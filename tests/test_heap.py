@@ -228,3 +228,29 @@ def test_heap_calls_on_mimalloc():
     out = probe("trim", {**os.environ, "LD_PRELOAD": mimalloc_library()}, code=TRIM)
     assert out["allocator"] == "mimalloc" and out["fixed"] is False and out["released"]
     assert out["freed_mib"] > 48
+
+
+# glibc's allocator policy belongs to whoever owns the process: `moembed train` sets it around training, while a
+# program calling the library's `train()` keeps its own (moembed.heap.bounded_heap is never entered for it).
+def test_library_training_leaves_the_allocator_policy_alone_and_the_train_command_sets_it(tmp_path, minilm_path,
+                                                                                           monkeypatch):
+    from pathlib import Path
+
+    from train_helpers import chatterbot_pairs, write_pairs
+    from typer.testing import CliRunner
+
+    from moembed import heap
+    from moembed.cli.main import app
+    from moembed.train.config import load_config
+    from moembed.train.loop import train
+
+    fixed = []
+    monkeypatch.setattr(heap, "bound_heap_growth", lambda threshold=heap.THRESHOLD: fixed.append(threshold) or False)
+    pairs = write_pairs(tmp_path / "pairs.jsonl", chatterbot_pairs()[:64])
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny" / "contrastive.yaml"
+    args = [f"tokenizer={minilm_path}", f"data.0.path={pairs}", "steps=1", "checkpoint.every=1"]
+    train(load_config(config, args + [f"output_dir={tmp_path / 'library'}"]), progress=False)
+    assert fixed == [] and (tmp_path / "library" / "model").is_dir()
+    r = CliRunner().invoke(app, ["train", str(config), *args, f"output_dir={tmp_path / 'command'}", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert fixed == [heap.THRESHOLD] and (tmp_path / "command" / "model").is_dir()

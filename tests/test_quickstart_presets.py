@@ -39,8 +39,6 @@ def test_pretraining_pool_is_looser_and_holds_the_finetuning_pairs(tmp_path, mon
     """Curation runs once at the pretraining pool's top-k; the finetuning pool is its top-`filter_top_k` pairs with
     a mined negative (OUT/train), the pretraining pool every curated pair without negatives (OUT/pretrain); each
     pool drops the sources below its own batch size."""
-    from types import SimpleNamespace
-
     import moembed.data.curate
     from moembed.fileio import iter_jsonl, write_jsonl
     from moembed.recipes.curation import curate
@@ -68,8 +66,7 @@ def test_pretraining_pool_is_looser_and_holds_the_finetuning_pairs(tmp_path, mon
     cfg = load_quickstart_config(None, "multilingual").model_copy(deep=True)
     cfg.pretrain.batch_size, cfg.train.batch_size, cfg.filter_top_k = 8, 4, 2
     assert cfg.curation_top_k == 10 and load_quickstart_config(None).curation_top_k == 2
-    qs = SimpleNamespace(cfg=cfg, out=tmp_path, teacher="T", progress=False)
-    result = curate(qs)
+    result = curate(curated_context(tmp_path, cfg))
     assert seen["top_k"] == 10  # one teacher pass at the looser filter
     assert reads == ["curated.jsonl"]  # both pools cut in one pass over the curated pairs
 
@@ -189,23 +186,74 @@ def test_tiny_multilingual_quickstart_end_to_end(tmp_path, monkeypatch):
     assert {e["task_name"] for e in res["moe"]} == {"wordnet", "chatterbot-de", "freedict-deu-eng"}
 
 
-def test_a_run_curated_before_the_pools_is_refused_with_the_file_to_remove(tmp_path):
-    from types import SimpleNamespace
+def curated_context(tmp_path, cfg, **settings):
+    """A recipe context over OUT = tmp_path whose curation has finished (one source, "a"), without a base model
+    loaded (RecipeContext.open would load it)."""
+    from moembed.recipes.context import RecipeContext
 
+    (tmp_path / "stages").mkdir(exist_ok=True)
+    (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
+    return RecipeContext(cfg=cfg, out=tmp_path, base=tmp_path / "base", base_name="minilm", width=384,
+                         teacher=tmp_path / "teacher", device=cfg.torch_device(), **{"progress": False, **settings})
+
+
+def test_a_run_curated_before_the_pools_is_refused_with_the_file_to_remove(tmp_path):
     from moembed.recipes.training import train_config
 
-    (tmp_path / "stages").mkdir()
-    (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
-    cfg = load_quickstart_config(None, "multilingual")
-    qs = SimpleNamespace(cfg=cfg, out=tmp_path, matryoshka_dims=[384, 128], device=cfg.torch_device(),
-                         stage_result=lambda name: json.loads((tmp_path / "stages" / f"{name}.json").read_text()))
+    ctx = curated_context(tmp_path, load_quickstart_config(None, "multilingual"))
     with pytest.raises(MoembedError, match=r"curate.json: no pretrain pool .* remove that file"):
-        train_config(qs, "moe", "pretrain")
-    assert train_config(qs, "moe", "finetune").data[0].path.endswith("train/a.jsonl")
+        train_config(ctx, "moe", "pretrain")
+    assert train_config(ctx, "moe", "finetune").data[0].path.endswith("train/a.jsonl")
+
+
+def test_the_context_is_typed_and_frozen(tmp_path):
+    import dataclasses
+
+    ctx = curated_context(tmp_path, load_quickstart_config(None))
+    assert ctx.matryoshka_dims == [384, 256, 128]  # the recipe's dims at the base's width
+    assert ctx.stage_result("curate") == {"train_sources": {"a": 64}} and ctx.stages == tmp_path / "stages"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.out = tmp_path / "elsewhere"
+
+
+@pytest.mark.parametrize("owns_process", [False, True])
+def test_the_training_stage_bounds_the_heap_only_where_the_run_owns_its_process(tmp_path, monkeypatch, owns_process):
+    # glibc's allocator policy is the process owner's business: `moembed quickstart` (owns_process) sets it around
+    # its training stages, a library caller's process keeps its own.
+    import moembed.train.loop
+    from moembed import heap
+    from moembed.recipes import training
+
+    ctx = curated_context(tmp_path, load_quickstart_config(None, device="cpu"), owns_process=owns_process)
+    fixed = []
+    monkeypatch.setattr(heap, "bound_heap_growth", lambda threshold=heap.THRESHOLD: fixed.append(threshold) or False)
+
+    def fake_train(cfg, progress, resume):
+        fixed.append("trained")
+        return Path(cfg.output_dir) / "model"
+
+    monkeypatch.setattr(moembed.train.loop, "train", fake_train)
+    result = training.train(ctx, "moe")
+    assert result == {"model": str(tmp_path / "runs" / "moe" / "model"), "processes": 1}
+    assert fixed == ([heap.THRESHOLD, "trained"] if owns_process else ["trained"])
+
+
+def test_the_training_stage_launches_its_processes_through_the_one_launcher(tmp_path, monkeypatch):
+    from moembed import distributed
+    from moembed.recipes import training
+
+    cfg = load_quickstart_config(None, device="cpu", nproc=4)
+    launched = []
+    monkeypatch.setattr(distributed, "launch", lambda args, nproc: launched.append((list(args), nproc)) or 7)
+    with pytest.raises(MoembedError, match="torchrun with 4 processes failed \\(exit 7\\)") as e:
+        training.train(curated_context(tmp_path, cfg), "dense")
+    config = tmp_path / "runs" / "dense.yaml"
+    assert launched == [(["train", str(config), "--quiet"], 4)] and config.exists()
+    assert " ".join(distributed.torchrun_command(["train", str(config), "--quiet"], 4)) in str(e.value)
 
 
 def test_the_recipe_device_reaches_every_stage(tmp_path, monkeypatch):
-    from types import SimpleNamespace
+    import dataclasses
 
     import torch
 
@@ -221,27 +269,22 @@ def test_the_recipe_device_reaches_every_stage(tmp_path, monkeypatch):
             raise Reached(what(*args, **kwargs))
         return fn
 
-    (tmp_path / "stages").mkdir()
-    (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64}}))
-    cfg = load_quickstart_config(None, device="cpu")
-    qs = SimpleNamespace(cfg=cfg, out=tmp_path, matryoshka_dims=[384, 128], teacher=tmp_path / "teacher",
-                         progress=False, device=cfg.torch_device(),
-                         stage_result=lambda name: json.loads((tmp_path / "stages" / f"{name}.json").read_text()))
-    train = train_config(qs, "moe")
+    ctx = curated_context(tmp_path, load_quickstart_config(None, device="cpu"))
+    train = train_config(ctx, "moe")
     from moembed.model.linear import bf16_is_fast
 
     # bf16 "auto" resolved on the recipe's device: on where this CPU's bf16 matmuls are native, off where emulated
     assert train.device == "cpu" and train.bf16 is bf16_is_fast("cpu")
     # The teacher of curation and every evaluated model are loaded on the recipe's device ("auto" is the default
     # of neither: both would load on the CPU without it).
-    qs.cfg = load_quickstart_config(None)
+    ctx = dataclasses.replace(ctx, cfg=load_quickstart_config(None))
     monkeypatch.setattr("moembed.data.curate.curate", capture(lambda data, out, teacher, c, **kw: c.device))
     with pytest.raises(Reached, match="^auto$"):
-        curation.curate(qs)
-    monkeypatch.setattr(curation, "held_out_dirs", lambda qs: {})
-    monkeypatch.setattr(evaluation, "model_paths", lambda qs: {"base": tmp_path / "base"})
+        curation.curate(ctx)
+    monkeypatch.setattr(curation, "held_out_dirs", lambda ctx: {})
+    monkeypatch.setattr(evaluation, "model_paths", lambda ctx: {"base": tmp_path / "base"})
     monkeypatch.setattr(Embedder, "load", capture(lambda path, **kw: kw.get("device")))
     with pytest.raises(Reached, match="^auto$"):
-        evaluation.evaluate(qs)
+        evaluation.evaluate(ctx)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert load_quickstart_config(None).torch_device() == torch.device("cpu")  # auto, with no GPU

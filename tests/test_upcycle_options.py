@@ -274,7 +274,7 @@ def test_quickstart_upcycling_keys_reach_the_model(tmp_path, tiny_dir):
     (out / "train" / "src.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     (out / "stages" / "curate.json").write_text(json.dumps({"train_sources": ["src"]}))
     qs = Quickstart(cfg.model_copy(update={"base": str(tiny_dir), "device": "cpu"}), out, progress=False)
-    training.upcycle(qs)
+    training.upcycle(qs.ctx)
     moe = Embedder.load(tmp_path / "out" / "models" / "moe-init").config.moe
     assert (moe.num_experts, moe.top_k, moe.expert_size, moe.balance_rate) == (8, 4, 16, 0.01)
     assert upcycling(cfg) == ("8 experts, top-4, in 2 virtual groups of 4 slices each 1/4 of the MLP (He et al. "

@@ -163,12 +163,12 @@ def test_given_and_mined_negatives_are_combined_up_to_num_negatives():
     assert _negatives({"negatives": ["m1"]}, "combine", 4) == ["m1"]
 
 
-def test_torchrun_command_runs_this_moembed_training_with_n_processes(tmp_path):
+def test_torchrun_command_runs_this_moembed_with_n_processes(tmp_path):
     import sys
 
-    from moembed.recipes.training import torchrun_command
+    from moembed.distributed import torchrun_command
 
-    cmd = torchrun_command(tmp_path / "moe.yaml", 3)
+    cmd = torchrun_command(["train", tmp_path / "moe.yaml", "--quiet"], 3)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc-per-node=3" in cmd
     assert cmd[cmd.index("moembed.cli.main") + 1:] == ["train", str(tmp_path / "moe.yaml"), "--quiet"]
 

@@ -42,7 +42,7 @@ def quickstart(
     cfg = load_quickstart_config(config, preset, steps=steps, size=size, data=data, fields=fields, base=base,
                                  teacher=teacher, batch_size=batch_size, max_pairs=max_pairs, nproc=nproc,
                                  device=device)
-    results = Quickstart(cfg, out, progress=not quiet).run()
+    results = Quickstart(cfg, out, progress=not quiet, owns_process=True).run()  # training bounds its heap
     report = results["report"]
     if "table" not in report:  # finished in an earlier run: read the stored report
         report = json.loads((out / "stages" / "report.json").read_text())

@@ -31,9 +31,11 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"model saved to {cfg.output_dir}/model")
             return
         from moembed.distributed import rank
+        from moembed.heap import bounded_heap
         from moembed.train.loop import train
 
-        final = train(cfg, progress=not quiet, resume=not fresh)
+        with bounded_heap():  # this command owns its process: variable-length batches do not grow its heap
+            final = train(cfg, progress=not quiet, resume=not fresh)
         if rank() == 0:
             typer.echo(f"model saved to {final}")
 

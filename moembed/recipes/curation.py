@@ -1,10 +1,10 @@
 """The recipe's data stages: build the pairs (built-in corpora or the user's files), then curate them.
 
-    build_data(qs)   OUT/data/train.jsonl and the held-out BEIR test (and dev) sets, from the user's files
+    build_data(ctx)  OUT/data/train.jsonl and the held-out BEIR test (and dev) sets, from the user's files
                      (`data.files`), a data suite (`data_suite`, moembed.recipes.config.DATA_SUITES: one source
                      per language or language pair, test sets per language and cross-lingual) or the built-in
                      corpora (`datasets`), in that order of precedence
-    curate(qs)       consistency filtering + positive-aware mining with the teacher (moembed.data.curate), one
+    curate(ctx)      consistency filtering + positive-aware mining with the teacher (moembed.data.curate), one
                      embedding pass for both; then one training file per source, OUT/train/<source>.jsonl, so
                      every batch comes from a single source (nomic-embed-v1 §4.2.2). With a pretraining stage
                      also OUT/pretrain/<source>.jsonl: the larger, noisier pool (a looser top-k, no negative
@@ -23,22 +23,26 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_dir, iter_jsonl, write_jsonl
 
+if TYPE_CHECKING:
+    from moembed.recipes.context import RecipeContext
+
 log = logging.getLogger("moembed")
 
 
-def held_out_dirs(qs) -> dict[str, Path]:
+def held_out_dirs(ctx: RecipeContext) -> dict[str, Path]:
     """Name → BEIR test directory of every held-out set the recipe evaluates on (besides the dev suite)."""
-    if qs.cfg.user_data:
+    if ctx.cfg.user_data:
         from moembed.recipes.userdata import task_name
 
-        return {task_name(qs.cfg): qs.out / "data" / "user" / "test"}
-    if qs.cfg.data_suite:
-        return {name: Path(t["path"]) for name, t in qs.stage_result("data")["test_sets"].items()}
-    return {name: qs.out / "data" / name / "test" for name in qs.cfg.datasets}
+        return {task_name(ctx.cfg): ctx.out / "data" / "user" / "test"}
+    if ctx.cfg.data_suite:
+        return {name: Path(t["path"]) for name, t in ctx.stage_result("data")["test_sets"].items()}
+    return {name: ctx.out / "data" / name / "test" for name in ctx.cfg.datasets}
 
 
 def suite_function(name: str):
@@ -62,11 +66,11 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in fh if line.strip())
 
 
-def _build_suite(qs) -> dict:
+def _build_suite(ctx: RecipeContext) -> dict:
     """A data suite's sources → OUT/data/train.jsonl (each row tagged with its source's label), test sets listed
     with their languages in the stage result."""
-    c = qs.cfg
-    sources, tests = suite_function(c.data_suite)(qs.out / "data" / c.data_suite, c.size, c.seed)
+    c = ctx.cfg
+    sources, tests = suite_function(c.data_suite)(ctx.out / "data" / c.data_suite, c.size, c.seed)
     per_source = {}
 
     def rows():
@@ -78,7 +82,7 @@ def _build_suite(qs) -> dict:
                        "lang": src.lang or ""}
             per_source[src.label] = n
 
-    n = write_jsonl(qs.out / "data" / "train.jsonl", rows())
+    n = write_jsonl(ctx.out / "data" / "train.jsonl", rows())
     test_sets = {name: {"path": str(t.path), "query_lang": t.query_lang, "doc_lang": t.doc_lang,
                         "queries": _count_lines(Path(t.path) / "queries.jsonl"),
                         "documents": _count_lines(Path(t.path) / "corpus.jsonl")} for name, t in tests.items()}
@@ -88,29 +92,29 @@ def _build_suite(qs) -> dict:
             "datasets": datasets}
 
 
-def build_data(qs) -> dict:
-    if not qs.cfg.user_data and qs.cfg.data_suite:
-        return _build_suite(qs)
-    if qs.cfg.user_data:
+def build_data(ctx: RecipeContext) -> dict:
+    if not ctx.cfg.user_data and ctx.cfg.data_suite:
+        return _build_suite(ctx)
+    if ctx.cfg.user_data:
         from moembed.recipes.userdata import prepare_user_data
 
-        meta = prepare_user_data(qs.cfg, qs.out / "data" / "user")
-        shutil.copy2(qs.out / "data" / "user" / "train.jsonl", qs.out / "data" / "train.jsonl")
-        name = next(iter(held_out_dirs(qs)))
+        meta = prepare_user_data(ctx.cfg, ctx.out / "data" / "user")
+        shutil.copy2(ctx.out / "data" / "user" / "train.jsonl", ctx.out / "data" / "train.jsonl")
+        name = next(iter(held_out_dirs(ctx)))
         return {"train_pairs": meta["train"], "user": meta,
                 "datasets": {name: {"train": meta["train"], "test": meta["test"]}}}
     from moembed.data.corpora import build_dataset
 
-    size = qs.cfg.split_sizes()
+    size = ctx.cfg.split_sizes()
     counts = {}
-    for name in qs.cfg.datasets:
-        d = qs.out / "data" / name
+    for name in ctx.cfg.datasets:
+        d = ctx.out / "data" / name
         if (d / "meta.json").exists():
             counts[name] = json.loads((d / "meta.json").read_text())
             continue
-        counts[name] = build_dataset(name, d, seed=qs.cfg.seed, **size)
-    rows = (r for name in qs.cfg.datasets for _, r in iter_jsonl(qs.out / "data" / name / "train.jsonl"))
-    n = write_jsonl(qs.out / "data" / "train.jsonl", rows)
+        counts[name] = build_dataset(name, d, seed=ctx.cfg.seed, **size)
+    rows = (r for name in ctx.cfg.datasets for _, r in iter_jsonl(ctx.out / "data" / name / "train.jsonl"))
+    n = write_jsonl(ctx.out / "data" / "train.jsonl", rows)
     return {"train_pairs": n, "datasets": {k: {"train": v["train"], "test": v["test"]} for k, v in counts.items()}}
 
 
@@ -126,16 +130,16 @@ def _negatives(row: dict, mode: str, k: int) -> list[str]:
     return given + [n for n in mined if n not in seen][: max(k - len(given), 0)]
 
 
-def curate(qs) -> dict:
+def curate(ctx: RecipeContext) -> dict:
     from moembed.data.curate import CurateConfig
     from moembed.data.curate import curate as run_curate
     from moembed.data.mining import MiningConfig
 
-    c = qs.cfg
+    c = ctx.cfg
     mode = c.data.negatives if c.user_data else "mined"
     mine = mode != "given"
     top_k = c.curation_top_k
-    data, curated = qs.out / "data" / "train.jsonl", qs.out / "data" / "curated.jsonl"
+    data, curated = ctx.out / "data" / "train.jsonl", ctx.out / "data" / "curated.jsonl"
     report = None
     if top_k is None and not mine:
         shutil.copy2(data, curated)
@@ -145,8 +149,8 @@ def curate(qs) -> dict:
             max_length=max(c.train.max_query_length, c.train.max_doc_length),  # judged as trained
             mining=MiningConfig(num_negatives=c.num_negatives, margin=c.margin) if mine else None,
         )
-        report = run_curate(data, curated, str(qs.teacher), cfg, work_dir=qs.out / "work" / "curate",
-                            show_progress=qs.progress)
+        report = run_curate(data, curated, str(ctx.teacher), cfg, work_dir=ctx.out / "work" / "curate",
+                            show_progress=ctx.progress)
     need_negatives = c.train.hard_negatives > 0
     shared = top_k != c.filter_top_k  # curated at the pretraining pool's looser top-k: finetuning takes a subset
 
@@ -161,9 +165,9 @@ def curate(qs) -> dict:
         # Pretraining draws in-batch negatives only: every curated pair, no mined negative needed or kept.
         return {k: v for k, v in row.items() if k not in ("negatives", "negative_scores", "given_negatives")}
 
-    pools = {"train": _Pool(qs.out / "train", c.train.batch_size, finetune_row)}
+    pools = {"train": _Pool(ctx.out / "train", c.train.batch_size, finetune_row)}
     if c.pretrain is not None:
-        pools["pretrain"] = _Pool(qs.out / "pretrain", c.pretrain.batch_size, pretrain_row)
+        pools["pretrain"] = _Pool(ctx.out / "pretrain", c.pretrain.batch_size, pretrain_row)
     _write_pools(curated, pools)
     fine = pools["train"]
     if fine.dropped:

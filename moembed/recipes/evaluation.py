@@ -9,15 +9,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moembed.recipes.context import RecipeContext
 
 MODELS = ("base", "dense", "moe")
 
 
-def model_paths(qs) -> dict[str, Path]:
-    return {"base": qs.base, "dense": qs.out / "runs" / "dense" / "model", "moe": qs.out / "runs" / "moe" / "model"}
+def model_paths(ctx: RecipeContext) -> dict[str, Path]:
+    return {"base": ctx.base, "dense": ctx.out / "runs" / "dense" / "model", "moe": ctx.out / "runs" / "moe" / "model"}
 
 
-def evaluate(qs) -> dict:
+def evaluate(ctx: RecipeContext) -> dict:
     from moembed.eval.encoding import EmbeddingCache
     from moembed.eval.registry import load_task
     from moembed.eval.report import write_results
@@ -28,23 +32,23 @@ def evaluate(qs) -> dict:
     from moembed.recipes.curation import held_out_dirs
 
     tasks = []
-    for name, path in held_out_dirs(qs).items():
+    for name, path in held_out_dirs(ctx).items():
         task = load_task(path)
         task.name = name  # the directory is "test" for every dataset
         tasks.append(task)
-    e = qs.cfg.eval
+    e = ctx.cfg.eval
     suite = []
-    if qs.cfg.user_data and e.suite:
-        suite = [load_task(d) for d in build_suite(qs.out / "dev-suite", qs.cfg.seed, e.suite_datasets)]
-    dims = e.dims or qs.matryoshka_dims
-    for label, path in model_paths(qs).items():
-        model = Embedder.load(path, device=qs.cfg.device)
+    if ctx.cfg.user_data and e.suite:
+        suite = [load_task(d) for d in build_suite(ctx.out / "dev-suite", ctx.cfg.seed, e.suite_datasets)]
+    dims = e.dims or ctx.matryoshka_dims
+    for label, path in model_paths(ctx).items():
+        model = Embedder.load(path, device=ctx.cfg.device)
         model.name = label
         # Full-dimension embeddings are cached once; every (dim, precision) point is derived from them.
-        cache = EmbeddingCache(qs.out / "work" / "eval-cache")
-        res = matryoshka_sweep(model, tasks, dims, e.precisions, e.batch_size, cache, progress=qs.progress)
-        write_results(res, qs.out / "eval" / label, label, None)
+        cache = EmbeddingCache(ctx.out / "work" / "eval-cache")
+        res = matryoshka_sweep(model, tasks, dims, e.precisions, e.batch_size, cache, progress=ctx.progress)
+        write_results(res, ctx.out / "eval" / label, label, None)
         if suite:
             view = View(None, "float32", e.batch_size)
-            write_results([run_task(model, t, view, cache) for t in suite], qs.out / "eval-suite" / label, label, None)
+            write_results([run_task(model, t, view, cache) for t in suite], ctx.out / "eval-suite" / label, label, None)
     return {"models": list(MODELS), "suite_tasks": [t.name for t in suite]}

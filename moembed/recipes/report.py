@@ -17,12 +17,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moembed.figures import new_figure, save_png
 from moembed.fileio import atomic_path
 from moembed.recipes import report_text as _text
 from moembed.recipes.report_text import MOE_DATA_SCALE, base_label  # noqa: F401 (MOE_DATA_SCALE: public)
 from moembed.version import __version__
+
+if TYPE_CHECKING:
+    from moembed.recipes.context import RecipeContext
 
 LABELS = {"base": "base", "dense": "dense, finetuned (control)", "moe": "MoE, upcycled + finetuned"}
 def _results(out: Path, sub: str = "eval") -> dict[str, list[dict]]:
@@ -69,16 +73,16 @@ def verdict(summary: dict) -> str:
     return s
 
 
-def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[str]:
+def _plots(ctx: RecipeContext, report: Path, results: dict[str, list[dict]], full: int) -> list[str]:
     from moembed.train.plots import read_metrics
 
-    labels = {"base": base_label(qs)}
+    labels = {"base": base_label(ctx)}
 
     written = []
     fig = new_figure((6.5, 3.5))
     ax = fig.subplots()
     for kind in ("dense", "moe"):
-        recs = read_metrics(qs.out / "runs" / kind / "metrics.jsonl")
+        recs = read_metrics(ctx.out / "runs" / kind / "metrics.jsonl")
         key = "contrastive" if recs and recs[0].get("contrastive") is not None else "loss"
         ax.plot([r["step"] for r in recs], [r[key] for r in recs], lw=1, label=f"{kind} ({key})")
     ax.set_xlabel("step")
@@ -87,7 +91,7 @@ def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[
     ax.grid(alpha=0.3)
     written.append(save_png(fig, report / "training_loss.png", bbox_inches="tight").name)
 
-    moe_plots = qs.out / "runs" / "moe" / "plots" / "expert_load.png"
+    moe_plots = ctx.out / "runs" / "moe" / "plots" / "expert_load.png"
     if moe_plots.exists():
         shutil.copy2(moe_plots, report / "expert_load.png")
         written.append("expert_load.png")
@@ -105,7 +109,7 @@ def _plots(qs, report: Path, results: dict[str, list[dict]], full: int) -> list[
     return written
 
 
-def _probe(qs) -> list[str]:
+def _probe(ctx: RecipeContext) -> list[str]:
     """Per MoE layer of the finetuned model on the test documents: expert load and router entropy, the experts'
     divergence, and the mutual information between expert and test set (moembed.model.diagnostics)."""
     from moembed.eval.registry import load_task
@@ -115,25 +119,25 @@ def _probe(qs) -> list[str]:
     from moembed.recipes.curation import held_out_dirs
 
     texts, labels = [], []
-    for name, path in held_out_dirs(qs).items():
+    for name, path in held_out_dirs(ctx).items():
         docs = list(load_task(path).data["corpus"].values())[:200]
         texts += docs
         labels += [name] * len(docs)
-    model = Embedder.load(qs.out / "runs" / "moe" / "model", device=qs.cfg.device)
+    model = Embedder.load(ctx.out / "runs" / "moe" / "model", device=ctx.cfg.device)
     rows = diagnose(model, texts, labels, prefix="search_document: ")
     return format_report([r.utilisation for r in rows]) + format_diagnostics(rows)
 
 
-def write_report(qs) -> dict:
+def write_report(ctx: RecipeContext) -> dict:
     from moembed.model.embedder import Embedder
     from moembed.model.io import export_sentence_transformers, save_parts
 
-    out, report = qs.out, qs.out / "report"
+    out, report = ctx.out, ctx.out / "report"
     report.mkdir(parents=True, exist_ok=True)
     results = _results(out)
     suite = _results(out, "eval-suite") if (out / "eval-suite" / "moe" / "results.json").exists() else None
     full = max(e["dim"] for e in results["base"])
-    labels = {"base": base_label(qs)}
+    labels = {"base": base_label(ctx)}
     table, summary = headline(results, full, labels)
     suite_table = headline(suite, max(e["dim"] for e in suite["base"]), labels)[0] if suite else None
     with atomic_path(report / "results.json") as tmp:
@@ -144,45 +148,45 @@ def write_report(qs) -> dict:
         if suite:
             parts += ["## Built-in dev suite"] + [(out / "eval-suite" / m / "results.md").read_text() for m in LABELS]
         tmp.write_text("\n\n".join(parts))
-    plots = _plots(qs, report, results, full)
+    plots = _plots(ctx, report, results, full)
     stages = {p.stem: json.loads(p.read_text()) for p in (out / "stages").glob("*.json")}
-    load_lines = _probe(qs)
-    decisions = _text.decisions(qs, stages)
+    load_lines = _probe(ctx)
+    decisions = _text.decisions(ctx, stages)
     for kind in ("moe", "dense"):
         emb = Embedder.load(out / "runs" / kind / "model")
-        card = quickstart_card(qs, kind, results[kind], table, verdict(summary), stages, load_lines, decisions)
+        card = quickstart_card(ctx, kind, results[kind], table, verdict(summary), stages, load_lines, decisions)
         save_parts(emb.parts(), report / "models" / kind, card)
         export_sentence_transformers(emb, report / "models" / f"{kind}-st", card)
     test_sets = stages.get("data", {}).get("test_sets")
     language_text = _text.languages(summary, test_sets) if test_sets else None
     with atomic_path(report / "README.md") as tmp:
-        tmp.write_text(_text.report(qs, table, verdict(summary), plots, stages, load_lines, decisions,
+        tmp.write_text(_text.report(ctx, table, verdict(summary), plots, stages, load_lines, decisions,
                                           suite_table, language_text))
     groups = _text.group_summary(summary, test_sets) if test_sets else None
     return {"summary": summary, "verdict": verdict(summary), "table": table, "decisions": decisions,
             "suite_table": suite_table, "languages": language_text, "groups": groups}
 
 
-def quickstart_card(qs, kind: str, results: list[dict], table: str, verdict_text: str, stages: dict,
+def quickstart_card(ctx: RecipeContext, kind: str, results: list[dict], table: str, verdict_text: str, stages: dict,
                     load_lines: list[str], decisions: dict):
     """What the model cards of the quickstart's finetuned models say beyond the model (`moembed.model.card`): the
     base model, languages and data, the recipe and its decisions, the evaluation (model-index: this model's own
     nDCG@10 per test set) and, for the MoE model, its expert load."""
     from moembed.model.card import CardInfo
 
-    base = base_label(qs)[: -len(" (base)")]
+    base = base_label(ctx)[: -len(" (base)")]
     what = "upcycled to a sparse Mixture-of-Experts encoder and finetuned" if kind == "moe" else "finetuned"
     warning = f"\n\n**Warning:** {decisions['warning']}" if decisions.get("warning") else ""
     test_sets = (stages.get("data", {}).get("test_sets") or {}).values()  # the multilingual preset's, with languages
     languages = sorted({t[k] for t in test_sets for k in ("query_lang", "doc_lang") if t.get(k)})
-    languages = languages or ([] if qs.cfg.user_data else ["en"])  # the built-in English data, or unknown
+    languages = languages or ([] if ctx.cfg.user_data else ["en"])  # the built-in English data, or unknown
     sections = {"Expert load (test documents)": "\n".join(f"    {x}" for x in load_lines)} if kind == "moe" else {}
     return CardInfo(
         base_model=base, languages=languages, datasets=sorted(stages.get("data", {}).get("datasets", {})),
         summary=(f"A text-embedding model made by `moembed quickstart`: {base} {what} contrastively with mined hard "
-                 f"negatives (the Nomic Embed v2 recipe at laptop scale). Matryoshka dimensions {qs.matryoshka_dims} "
+                 f"negatives (the Nomic Embed v2 recipe at laptop scale). Matryoshka dimensions {ctx.matryoshka_dims} "
                  "were trained; prefixes `search_query: `, `search_document: `, `classification: `, `clustering: `."),
-        training=_text.settings(qs) + "\n" + _text._decision_lines(decisions), data=_text.data_lines(stages),
+        training=_text.settings(ctx) + "\n" + _text._decision_lines(decisions), data=_text.data_lines(stages),
         results=results, evaluation=f"nDCG@10 ×100 on the held-out test sets.\n\n{table}\n\n{verdict_text}{warning}",
         sections=sections)
 

@@ -1,12 +1,17 @@
 """The words of the quickstart report: settings, the recipe's decisions, data tables and README (the model cards' are
 `report.quickstart_card`'s, written by `moembed.model.card`).
 
-`decisions(qs, stages)` gathers what the recipe chose for the user — split sizes, how many pairs consistency
+`decisions(ctx, stages)` gathers what the recipe chose for the user — split sizes, how many pairs consistency
 filtering kept per source, negatives per query, steps, learning rate — and the data-scale warning; the report and
 the model card state them.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moembed.recipes.context import RecipeContext
 
 # Below this many training pairs the report warns that the MoE is not expected to beat the dense control:
 # nomic-embed-v2-moe §7.2 saw an MoE underperform its parameter-equivalent dense model even with 100M
@@ -33,12 +38,12 @@ def measured_gap() -> str:
             "(docs/moe.md, \"MoE vs dense\").")
 
 
-def base_label(qs) -> str:
-    return f"{'all-MiniLM-L6-v2' if not qs.cfg.base else qs.base.name} (base)"
+def base_label(ctx: RecipeContext) -> str:
+    return f"{'all-MiniLM-L6-v2' if not ctx.cfg.base else ctx.base.name} (base)"
 
 
-def decisions(qs, stages: dict) -> dict:
-    c, t = qs.cfg, qs.cfg.train
+def decisions(ctx: RecipeContext, stages: dict) -> dict:
+    c, t = ctx.cfg, ctx.cfg.train
     data, curate = stages.get("data", {}), stages.get("curate", {})
     user = data.get("user")
     sources = (curate.get("filter") or {}).get("sources", {})
@@ -187,10 +192,10 @@ def upcycling(c) -> str:
     return ", ".join(parts)
 
 
-def settings(qs) -> str:
-    c, t = qs.cfg, qs.cfg.train
-    bf16 = "on" if t.bf16_on(qs.device.type) else "off"
-    teacher = base_label(qs)[: -len(" (base)")] if qs.teacher == qs.base else qs.teacher.name
+def settings(ctx: RecipeContext) -> str:
+    c, t = ctx.cfg, ctx.cfg.train
+    bf16 = "on" if t.bf16_on(ctx.device.type) else "off"
+    teacher = base_label(ctx)[: -len(" (base)")] if ctx.teacher == ctx.base else ctx.teacher.name
     pre = c.pretrain
 
     def kept(k: int | None) -> str:
@@ -200,15 +205,15 @@ def settings(qs) -> str:
     stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
               f"{pre.batch_size}, on {kept(pre_k)}{' (the larger, noisier pool)' if pre_k != c.filter_top_k else ''}"
               f", in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with {pre.warmup_steps} "
-              f"warmup steps, Matryoshka dims {qs.matryoshka_dims}; then stage 2:\n") if pre else ""
+              f"warmup steps, Matryoshka dims {ctx.matryoshka_dims}; then stage 2:\n") if pre else ""
     alpha = (f"- sources (one per language or language pair) sampled with p ∝ n^α, α = {c.sampler_alpha} "
              "(nomic-embed-v2 Table 2)\n") if c.sampler_alpha else ""
     return stage1 + alpha + (
-        f"- base: {base_label(qs)[: -len(' (base)')]} ({qs.width} wide); MoE: every {c.every}nd MLP upcycled to "
+        f"- base: {base_label(ctx)[: -len(' (base)')]} ({ctx.width} wide); MoE: every {c.every}nd MLP upcycled to "
         f"{upcycling(c)} (docs/moe.md, \"Upcycling options\")\n"
         f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), on {kept(c.filter_top_k)} "
         f"with {t.hard_negatives} mined hard negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims "
-        f"{qs.matryoshka_dims}, load-balancing α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with "
+        f"{ctx.matryoshka_dims}, load-balancing α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with "
         f"{t.warmup_steps} warmup steps and linear decay, max lengths {t.max_query_length}/{t.max_doc_length} "
         f"tokens, bf16 autocast {bf16}\n"
         f"- data curation: consistency filtering and positive-aware mining ({c.num_negatives} negatives, margin "
@@ -233,10 +238,11 @@ def data_lines(stages: dict) -> str:
     return "\n".join(lines)
 
 
-def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_table, language_text=None) -> str:
+def report(ctx: RecipeContext, table, verdict_text, plots, stages, load_lines, decisions, suite_table,
+           language_text=None) -> str:
     secs = sum(v.get("seconds", 0) for v in stages.values())
     warning = f"> **Warning:** {decisions['warning']}\n\n" if decisions.get("warning") else ""
-    held_out = ("your test split (documents never seen in training)" if qs.cfg.user_data
+    held_out = ("your test split (documents never seen in training)" if ctx.cfg.user_data
                 else "the held-out test sets (documents never seen in training)")
     suite = ("## Built-in dev suite (what finetuning cost or gained elsewhere)\n\nMain score ×100 per task, full "
              f"dimension, float32.\n\n{suite_table}\n\n") if suite_table else ""
@@ -248,7 +254,7 @@ def report(qs, table, verdict_text, plots, stages, load_lines, decisions, suite_
         + (f"## Per language and cross-lingual\n\nnDCG@10 ×100, full dimension, float32; a language pair "
            f"x→y retrieves y documents for x queries.\n\n{language_text}\n\n" if language_text else "") +
         "## What the recipe decided\n\n" + _decision_lines(decisions) + "\n\n" + suite +
-        "## Settings\n\n" + settings(qs) + f"\nTotal time of the stages: {secs / 60:.1f} minutes.\n\n"
+        "## Settings\n\n" + settings(ctx) + f"\nTotal time of the stages: {secs / 60:.1f} minutes.\n\n"
         "## Data\n\n" + data_lines(stages) + "\n\n"
         "## Expert load and diagnostics of the finetuned MoE model (test documents; MI label: the test set)\n\n" + "\n".join(f"    {x}" for x in load_lines) + "\n\n"
         "## Plots\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n\n"

@@ -1,29 +1,36 @@
 """The recipe's model stages: load the base, upcycle it, and train the MoE model and its dense control.
 
     check_base(path)     load the base once before any work; a model that does not load names the path and why
-    upcycle(qs)          the base with every `every`-th MLP turned into `experts` experts, top-`top_k`
+    upcycle(ctx)         the base with every `every`-th MLP turned into `experts` experts, top-`top_k`
                          (nomic-embed-v2 §4.3), and the dense copy; both with the Nomic task prefixes
-    train_config(qs, k, stage)  the config of model kind k (moe | dense) in stage "pretrain" (contrastive,
+    train_config(ctx, k, stage) the config of model kind k (moe | dense) in stage "pretrain" (contrastive,
                          in-batch negatives only, on the pretraining pool OUT/pretrain) or "finetune" (OUT/train,
                          with mined hard negatives, from the pretrained model when there is a pretraining
                          stage): the same for both kinds but the load-balancing loss (MoE only); both with
                          Matryoshka; sources sampled with α
-    train(qs, k, stage)  in this process (nproc 1) or under torchrun with `nproc` processes, which the recipe
-                         launches itself; training resumes from its last checkpoint either way
+    train(ctx, k, stage) in this process (nproc 1) or under torchrun with `nproc` processes, which the recipe
+                         launches itself (moembed.distributed.launch); training resumes from its last checkpoint
+                         either way
 
 A base may be a directory or a name of BASE_MODELS, converted into OUT/models/base-<name> on first use.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from moembed import distributed
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
+from moembed.heap import bounded_heap
 from moembed.model.embedder import NOMIC_PROMPTS as PROMPTS
+
+if TYPE_CHECKING:
+    from moembed.recipes.context import RecipeContext
 
 
 def minilm_path() -> Path:
@@ -72,33 +79,33 @@ def check_base(path: Path, flag: str = "--base"):
         raise MoembedError(f"{flag}: {path}: cannot load the model ({type(e).__name__}: {e})") from None
 
 
-def upcycle(qs) -> dict:
+def upcycle(ctx: RecipeContext) -> dict:
     from moembed.data.calibration import training_sample
     from moembed.model.convert.upcycle import upcycle as to_moe
 
-    dense = check_base(qs.base)
+    dense = check_base(ctx.base)
     dense.prompts = dict(PROMPTS)  # both trained models use the Nomic task prefixes
     # No attention dropout while finetuning: with it, attention on CPU leaves the fused (flash) kernel for one
     # that stores every (B, heads, T, T) score matrix and mask, a quarter of a step's activation memory.
     dense.encoder.config = dense.config.model_copy(update={"attention_dropout": 0.0})
     for layer in dense.encoder.layers:
         layer.attention_dropout = 0.0
-    c, u = qs.cfg, qs.cfg.upcycling
-    texts = kmeans_texts(qs, u.kmeans_texts) if u.router_init == "kmeans" else None
+    c, u = ctx.cfg, ctx.cfg.upcycling
+    texts = kmeans_texts(ctx, u.kmeans_texts) if u.router_init == "kmeans" else None
     # int8 ranges of both starting models from a sample of the training pool; noiseless upcycling keeps them exactly
-    queries, documents = training_sample(train_config(qs, "dense").data, c.seed)
+    queries, documents = training_sample(train_config(ctx, "dense").data, c.seed)
     dense.calibrate(queries + documents)  # each text with its prefix, as trained
     moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed, renormalize=u.renormalize, noise=u.noise,
                  granularity=u.granularity, reinit=u.reinit, router_init=u.router_init, kmeans_texts=texts,
                  balance_rate=u.balance_rate)
-    moe.name = f"{qs.base_name}-moe"
-    moe.save(qs.out / "models" / "moe-init")
-    dense.name = f"{qs.base_name}-dense"
-    dense.save(qs.out / "models" / "dense-init")
+    moe.name = f"{ctx.base_name}-moe"
+    moe.save(ctx.out / "models" / "moe-init")
+    dense.name = f"{ctx.base_name}-dense"
+    dense.save(ctx.out / "models" / "dense-init")
     return {"moe_layers": [i + 1 for i in moe.config.moe_layers()], "width": dense.dim}
 
 
-def kmeans_texts(qs, n: int) -> list[str]:
+def kmeans_texts(ctx: RecipeContext, n: int) -> list[str]:
     """Up to n training texts for the routers' k-means (`upcycling.router_init: kmeans`): the curated pairs'
     queries and documents with their task prefixes, a random sample (seeded) over all training sources."""
     import random
@@ -106,10 +113,10 @@ def kmeans_texts(qs, n: int) -> list[str]:
     from moembed.fileio import iter_jsonl
 
     texts = []
-    for s in qs.stage_result("curate")["train_sources"]:
-        for _, r in iter_jsonl(qs.out / "train" / f"{s}.jsonl"):
+    for s in ctx.stage_result("curate")["train_sources"]:
+        for _, r in iter_jsonl(ctx.out / "train" / f"{s}.jsonl"):
             texts += [PROMPTS["search_query"] + r["query"], PROMPTS["search_document"] + r["document"]]
-    random.Random(qs.cfg.seed).shuffle(texts)
+    random.Random(ctx.cfg.seed).shuffle(texts)
     return texts[:n]
 
 
@@ -117,15 +124,15 @@ def run_name(kind: str, stage: str) -> str:
     return kind if stage == "finetune" else f"{kind}-{stage}"
 
 
-def train_config(qs, kind: str, stage: str = "finetune"):
+def train_config(ctx: RecipeContext, kind: str, stage: str = "finetune"):
     from moembed.train.config import load_config
 
-    c, out = qs.cfg, qs.out
+    c, out = ctx.cfg, ctx.out
     t = c.train if stage == "finetune" else c.pretrain
-    curated = qs.stage_result("curate")
+    curated = ctx.stage_result("curate")
     pool = "train" if stage == "finetune" else "pretrain"  # OUT/pretrain: the larger, noisier pool
     if f"{pool}_sources" not in curated:
-        raise MoembedError(f"{qs.out / 'stages' / 'curate.json'}: no {pool} pool (curated by an older moembed); "
+        raise MoembedError(f"{ctx.out / 'stages' / 'curate.json'}: no {pool} pool (curated by an older moembed); "
                            "remove that file to curate again")
     sources = curated[f"{pool}_sources"]
     init = out / "models" / f"{kind}-init"
@@ -145,34 +152,33 @@ def train_config(qs, kind: str, stage: str = "finetune"):
         "batch_size": t.batch_size, "max_query_length": c.train.max_query_length,
         "max_doc_length": c.train.max_doc_length,
         "loss": {
-            "temperature": t.temperature, "num_hard_negatives": hard, "matryoshka_dims": qs.matryoshka_dims,
+            "temperature": t.temperature, "num_hard_negatives": hard, "matryoshka_dims": ctx.matryoshka_dims,
             "aux_loss_coef": c.train.aux_loss_coef if kind == "moe" else 0.0,
         },
         "optim": {"lr": t.lr, "schedule": "linear", "warmup_steps": t.warmup_steps},
         "steps": t.steps, "seed": c.seed, "log_every": 1,
-        "device": c.device, "bf16": c.train.bf16_on(qs.device.type),
+        "device": c.device, "bf16": c.train.bf16_on(ctx.device.type),
         "checkpoint": {"every": c.train.checkpoint_every, "keep_last": 1},
         "output_dir": str(out / "runs" / run_name(kind, stage)),
     }
     return load_config(None, base=base)
 
 
-def torchrun_command(config: Path, nproc: int) -> list[str]:
-    """The command that trains `config` with `nproc` processes on this machine (torchrun, standalone)."""
-    return distributed.torchrun_command(["train", str(config), "--quiet"], nproc)
-
-
-def train(qs, kind: str, stage: str = "finetune") -> dict:
-    cfg = train_config(qs, kind, stage)
-    if qs.cfg.nproc == 1:
+def train(ctx: RecipeContext, kind: str, stage: str = "finetune") -> dict:
+    """Train model `kind` in `stage`: in this process (nproc 1; under moembed.heap.bounded_heap where the run owns
+    its process), or as `nproc` processes of `moembed train` (moembed.distributed.launch), which bound their own."""
+    cfg = train_config(ctx, kind, stage)
+    if ctx.cfg.nproc == 1:
         from moembed.train.loop import train as run
 
-        return {"model": str(run(cfg, progress=qs.progress, resume=True)), "processes": 1}
-    path = qs.out / "runs" / f"{run_name(kind, stage)}.yaml"
+        with bounded_heap() if ctx.owns_process else nullcontext():
+            return {"model": str(run(cfg, progress=ctx.progress, resume=True)), "processes": 1}
+    path = ctx.out / "runs" / f"{run_name(kind, stage)}.yaml"
     with atomic_path(path) as tmp:
         tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
-    rc = distributed.launch(["train", str(path), "--quiet"], qs.cfg.nproc)
+    args = ["train", str(path), "--quiet"]
+    rc = distributed.launch(args, ctx.cfg.nproc)
     if rc != 0:
-        raise MoembedError(f"{run_name(kind, stage)}: torchrun with {qs.cfg.nproc} processes failed (exit {rc}): "
-                           f"{' '.join(torchrun_command(path, qs.cfg.nproc))}")
-    return {"model": str(Path(cfg.output_dir) / "model"), "processes": qs.cfg.nproc}
+        raise MoembedError(f"{run_name(kind, stage)}: torchrun with {ctx.cfg.nproc} processes failed (exit {rc}): "
+                           f"{' '.join(distributed.torchrun_command(args, ctx.cfg.nproc))}")
+    return {"model": str(Path(cfg.output_dir) / "model"), "processes": ctx.cfg.nproc}

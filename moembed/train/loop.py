@@ -32,7 +32,7 @@ from moembed.data.sources import SourceStats
 from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
-from moembed.heap import allocator, bounded_heap
+from moembed.heap import allocator
 from moembed.model.recompute import set_recompute
 from moembed.train.build import build_model, check_paths
 from moembed.train.checkpoint import CheckpointManager, rng_state
@@ -260,13 +260,10 @@ def train(cfg: TrainConfig, progress: bool = True, resume: bool = True) -> Path:
     rank together on a non-finite loss or gradient beyond the `skip_nonfinite` budget.
 
     Under torchrun: joins the process group (nccl on CUDA, gloo otherwise) and starts every rank from rank 0's
-    weights."""
-    # Variable-length batches would otherwise grow the heap step after step; only while training (moembed.heap).
-    with bounded_heap():
-        return _train(cfg, progress, resume)
+    weights.
 
-
-def _train(cfg: TrainConfig, progress: bool, resume: bool) -> Path:
+    The process's allocator policy is left as the caller has it: the commands that own their process (`moembed
+    train`, the quickstart's training stages under `moembed quickstart`) run this under `moembed.heap.bounded_heap`."""
     dist.init_from_env("nccl" if train_device(cfg.device).type == "cuda" else "gloo")
     t = Trainer(cfg, progress)
     dist.broadcast_parameters(t.module)
