@@ -41,6 +41,8 @@ from moembed.model.inference import length_sorted_batches, run_batches
 from moembed.model.io import ModelParts, read_parts, save_parts
 from moembed.model.linear import quantize_int8
 from moembed.model.pooling import POOLINGS, PRECISIONS, SCALAR, int8_ranges, pack_bits, pool, quantize_scalar, truncate
+from moembed.model.prompts import (NOMIC_PROMPTS, mark_prompt, prefix_of, prompt_lengths, prompt_text,
+                                   prompt_token_count, role_prompt)
 from moembed.model.protocol import short_hash, weights_key
 from moembed.model.similarity import check_fn, similarity, similarity_pairwise
 from moembed.model.tokenizer import TextTokenizer
@@ -48,16 +50,7 @@ from moembed.progress import Progress, bar
 
 log = logging.getLogger("moembed")
 
-# Task prefixes of nomic-embed-v1 §4 (also used by Nomic v2): the default for models moembed trains.
-NOMIC_PROMPTS = {
-    "search_query": "search_query: ",
-    "search_document": "search_document: ",
-    "classification": "classification: ",
-    "clustering": "clustering: ",
-}
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
-# The prompt `encode_query` / `encode_document` use when none is given: the first of these names the model has.
-ROLE_PROMPTS = {"query": ("query", "search_query"), "document": ("document", "passage", "corpus", "search_document")}
 UNCALIBRATED = "needs calibration embeddings; call calibrate(texts) first, or run `moembed calibrate MODEL TEXTS`"
 
 
@@ -84,6 +77,7 @@ class Embedder(nn.Module):
     autocast: the dtype inference runs matmuls in (torch.bfloat16 / torch.float16), None for float32.
     similarity_fn_name: "cosine" or "dot", what `similarity` computes.
     default_prompt_name: the prompt `encode` applies when given none, as sentence-transformers' (None: no prefix).
+    include_prompt: False leaves a prompt's tokens out of the pooling (`moembed.model.prompts`).
     """
 
     def __init__(
@@ -99,6 +93,7 @@ class Embedder(nn.Module):
         autocast: torch.dtype | None = None,
         similarity_fn_name: str = "cosine",
         default_prompt_name: str | None = None,
+        include_prompt: bool = True,
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -114,8 +109,10 @@ class Embedder(nn.Module):
         self.autocast = autocast
         self.similarity_fn_name = similarity_fn_name
         if default_prompt_name is not None:
-            self.prefix(default_prompt_name)  # an unknown name raises, listing the known ones
+            prefix_of(self.prompts, None, default_prompt_name)  # an unknown name raises, listing the known ones
         self.default_prompt_name = default_prompt_name
+        self.include_prompt = include_prompt
+        self._prompt_lengths: dict[tuple[str, int], int] = {}  # (prefix, max_length) → its token count
 
     @property
     def config(self) -> EncoderConfig:
@@ -135,49 +132,56 @@ class Embedder(nn.Module):
         settings = dict(tokenizer=self.tokenizer, pooling=self.pooling, normalize=self.normalize, prompts=self.prompts,
                         name=self.name, calibration=self.calibration, source_dir=self.source_dir,
                         autocast=self.autocast, similarity_fn_name=self.similarity_fn_name)
-        settings["default_prompt_name"] = self.default_prompt_name
+        settings.update(default_prompt_name=self.default_prompt_name, include_prompt=self.include_prompt)
         settings.update(changes)
         return Embedder(encoder, **settings).train(self.training)
 
     # ---- model ------------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> EmbedOutput:
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, prompt_lengths=None) -> EmbedOutput:
+        """prompt_lengths (B,): leading positions of each sequence pooling leaves out (None: none)."""
         out = self.encoder(input_ids, attention_mask, token_type_ids)
         lengths = out.attention_mask.sum(1)  # (B,)
-        emb = pool(out.packed_hidden, out.batch_index, lengths, self.pooling)  # (B, d)
+        skip = torch.as_tensor(prompt_lengths, dtype=lengths.dtype) if prompt_lengths is not None else None
+        emb = pool(out.packed_hidden, out.batch_index, lengths, self.pooling, skip)  # (B, d)
         return EmbedOutput(emb, out)
+
+    # ---- prompts (`moembed.model.prompts`) --------------------------------------------------------------------
 
     def prefix(self, prompt: str | None) -> str:
         """The text prefix for a prompt name (None → the default prompt's, if any); unknown names raise."""
-        if prompt is None:
-            return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name is not None else ""
-        if prompt not in self.prompts:
-            known = ", ".join(sorted(self.prompts)) or "none"
-            raise MoembedError(f"prompt_name: unknown name {prompt!r}; this model knows: {known}")
-        return self.prompts[prompt]
+        return prefix_of(self.prompts, self.default_prompt_name, prompt)
 
     def prompt_text(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
-        """The prefix for `encode`'s prompt arguments: the literal `prompt`, or the text of `prompt_name`.
+        """The prefix for `encode`'s prompt arguments: the literal `prompt`, or the text of `prompt_name` (not both)."""
+        return prompt_text(self.prompts, self.default_prompt_name, prompt_name, prompt)
 
-        Giving both raises (sentence-transformers silently prefers `prompt`; moembed refuses the ambiguity)."""
-        if prompt is not None and prompt_name is not None:
-            raise MoembedError(f"prompt and prompt_name: give one, not both (got {prompt!r} and {prompt_name!r})")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise MoembedError(f"prompt: expected a string, got {type(prompt).__name__}")
-            return prompt
-        return self.prefix(prompt_name)
+    def role_prompt(self, role: str) -> str | None:
+        """The prompt name this model gives a "query" or a "document", None when it has none."""
+        return role_prompt(self.prompts, role)
+
+    def mark_prompt(self, ids: list[list[int]], prefix: str) -> list[list[int]]:
+        """Token ids of `prefix + text` marked with the prefix's token count when pooling leaves it out
+        (include_prompt false), so that `embed_ids` and the server pool them as sentence-transformers does."""
+        if self.include_prompt or not prefix:
+            return ids
+        key = (prefix, self.max_length)
+        if key not in self._prompt_lengths:
+            self._prompt_lengths[key] = prompt_token_count(self.tokenizer, prefix)
+        return mark_prompt(ids, self._prompt_lengths[key])
 
     # ---- inference --------------------------------------------------------------------------------------------
 
     def token_ids(self, texts: list[str], prefix: str = "") -> tuple[list[list[int]], int]:
         """Token ids of `prefix + text` per text (special tokens included, truncated to `max_length`) and the
         number of texts that were truncated. A long text is cut before tokenization, exactly: it costs what the
-        model reads, not its length (`moembed.model.tokenizer`); a lone surrogate names its text."""
+        model reads, not its length (`moembed.model.tokenizer`); a lone surrogate names its text. With
+        include_prompt false each list carries the prefix's token count (`mark_prompt`)."""
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise MoembedError(f"texts[{i}]: expected a string, got {type(t).__name__}")
-        return self.tokenizer.encode_ids(texts, prefix)
+        ids, truncated = self.tokenizer.encode_ids(texts, prefix)
+        return self.mark_prompt(ids, prefix), truncated
 
     @torch.inference_mode()
     def embed_ids(self, ids: list[list[int]]) -> torch.Tensor:
@@ -185,7 +189,7 @@ class Embedder(nn.Module):
         forward pass (call on a model in eval mode, as `load` returns it)."""
         device = next(self.parameters()).device
         input_ids, mask = self.tokenizer.pad(ids)  # (n, T) each
-        return self(input_ids.to(device), mask.to(device)).embeddings.float().cpu()
+        return self(input_ids.to(device), mask.to(device), prompt_lengths=prompt_lengths(ids)).embeddings.float().cpu()
 
     @torch.inference_mode()
     def embed_tensor(
@@ -325,10 +329,6 @@ class Embedder(nn.Module):
             prompt_name = self.role_prompt("document")
         return self.encode(sentences, prompt_name, prompt, **kwargs)
 
-    def role_prompt(self, role: str) -> str | None:
-        """The prompt name this model gives a "query" or a "document" (`ROLE_PROMPTS`), None when it has none."""
-        return next((p for p in ROLE_PROMPTS[role] if p in self.prompts), None)
-
     @property
     def similarity_fn_name(self) -> str:
         """"cosine" (default) or "dot": what `similarity` computes."""
@@ -396,6 +396,8 @@ class Embedder(nn.Module):
                     "pooling": self.pooling, "normalize": self.normalize, "prompts": self.prompts}
         if self.default_prompt_name is not None:  # keys of models without one stay as they were
             settings["default_prompt"] = self.prefix(None)
+        if not self.include_prompt:
+            settings["include_prompt"] = False
         if self.compute != "float32":  # float32's key as it always was: caches made before stay valid
             settings["compute"] = self.compute
         return short_hash(json.dumps(settings, sort_keys=True))
@@ -407,7 +409,7 @@ class Embedder(nn.Module):
         sd = {k: v.detach().cpu() for k, v in self.encoder.state_dict().items()}
         return ModelParts(self.config, sd, self.tokenizer, self.pooling, self.normalize, self.prompts, self.name,
                           self.calibration, self.source_dir, similarity_fn_name=self.similarity_fn_name,
-                          default_prompt_name=self.default_prompt_name)
+                          default_prompt_name=self.default_prompt_name, include_prompt=self.include_prompt)
 
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
@@ -418,7 +420,7 @@ class Embedder(nn.Module):
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,
                    name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir,
                    similarity_fn_name=parts.similarity_fn_name,
-                   default_prompt_name=parts.default_prompt_name).eval()
+                   default_prompt_name=parts.default_prompt_name, include_prompt=parts.include_prompt).eval()
 
     @classmethod
     def load(cls, path: str | Path, max_length: int | None = None, device: str | None = "cpu",
