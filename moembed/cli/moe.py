@@ -36,7 +36,7 @@ def upcycle(
     save (docs/moe.md, "Upcycling options")."""
     from moembed.cli.models import count_parameters
     from moembed.data.calibration import ensure_calibration
-    from moembed.fileio import read_texts
+    from moembed.inputs import read_texts
     from moembed.model.convert.upcycle import upcycle as do_upcycle
     from moembed.model.embedder import Embedder
 

@@ -13,7 +13,7 @@ stored calibration data. The Embedder implements `moembed.model.protocol.Embeddi
 and `Quantizes` capabilities.
 
 Inference in three layers, each usable on its own:
-    token_ids(texts, prefix)  → token-id lists (truncated to max_length)
+    token_ids(texts, prefix)  → token-id lists (truncated to max_length; with the prompt's length, `mark_prompt`)
     embed_ids(ids)            → (n, d) pooled float32, one padded forward pass, not normalised
     embed_tensor / encode     → length-sorted batches of the above; encode adds truncation, normalisation, precision
 
@@ -38,11 +38,11 @@ from moembed.errors import MoembedError
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
 from moembed.model.inference import length_sorted_batches, run_batches
-from moembed.model.io import ModelParts, read_parts, save_parts
+from moembed.model.io import ModelParts, check_state, read_parts, save_parts
 from moembed.model.linear import quantize_int8
 from moembed.model.pooling import POOLINGS, PRECISIONS, SCALAR, int8_ranges, pack_bits, pool, quantize_scalar, truncate
 from moembed.model.prompts import (NOMIC_PROMPTS, mark_prompt, prefix_of, prompt_lengths, prompt_text,
-                                   prompt_token_count, role_prompt)
+                                   prompt_token_count, role_args, role_prompt)
 from moembed.model.protocol import short_hash, weights_key
 from moembed.model.similarity import check_fn, similarity, similarity_pairwise
 from moembed.model.tokenizer import TextTokenizer
@@ -112,7 +112,6 @@ class Embedder(nn.Module):
             prefix_of(self.prompts, None, default_prompt_name)  # an unknown name raises, listing the known ones
         self.default_prompt_name = default_prompt_name
         self.include_prompt = include_prompt
-        self._prompt_lengths: dict[tuple[str, int], int] = {}  # (prefix, max_length) → its token count
 
     @property
     def config(self) -> EncoderConfig:
@@ -165,10 +164,7 @@ class Embedder(nn.Module):
         (include_prompt false), so that `embed_ids` and the server pool them as sentence-transformers does."""
         if self.include_prompt or not prefix:
             return ids
-        key = (prefix, self.max_length)
-        if key not in self._prompt_lengths:
-            self._prompt_lengths[key] = prompt_token_count(self.tokenizer, prefix)
-        return mark_prompt(ids, self._prompt_lengths[key])
+        return mark_prompt(ids, prompt_token_count(self.tokenizer, prefix))  # one short tokenization
 
     # ---- inference --------------------------------------------------------------------------------------------
 
@@ -318,16 +314,12 @@ class Embedder(nn.Module):
     def encode_query(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
                      **kwargs):
         """`encode` with the model's query prompt ("query", else "search_query") unless a prompt is given."""
-        if prompt_name is None and prompt is None:
-            prompt_name = self.role_prompt("query")
-        return self.encode(sentences, prompt_name, prompt, **kwargs)
+        return self.encode(sentences, *role_args(self.prompts, "query", prompt_name, prompt), **kwargs)
 
     def encode_document(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
                         **kwargs):
         """`encode` with the model's document prompt ("document", "passage", else "search_document")."""
-        if prompt_name is None and prompt is None:
-            prompt_name = self.role_prompt("document")
-        return self.encode(sentences, prompt_name, prompt, **kwargs)
+        return self.encode(sentences, *role_args(self.prompts, "document", prompt_name, prompt), **kwargs)
 
     @property
     def similarity_fn_name(self) -> str:
@@ -414,8 +406,8 @@ class Embedder(nn.Module):
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
         """An Embedder in eval mode; weights that do not fit the config raise, naming the file and the weight."""
-        encoder = Encoder.for_weights(parts.config)  # every weight is loaded below (`_check_state`)
-        _check_state(encoder, parts.state_dict, parts.weights_path)
+        encoder = Encoder.for_weights(parts.config)  # every weight is loaded below (`check_state`)
+        check_state(encoder.state_dict(), parts.state_dict, parts.weights_path)
         encoder.load_state_dict(parts.state_dict)
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,
                    name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir,
@@ -448,14 +440,3 @@ class Embedder(nn.Module):
         save_parts(self.parts(), path)
         self.source_dir = Path(path)
 
-
-def _check_state(encoder: Encoder, sd: dict[str, torch.Tensor], source: Path | None) -> None:
-    own = encoder.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise MoembedError(f"{source}: weights do not match the config ({what})")
-    for k, v in sd.items():
-        if own[k].shape != v.shape:
-            raise MoembedError(f"{source}: weight {k!r} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")

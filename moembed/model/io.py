@@ -206,6 +206,19 @@ def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig
                                f"implies {tuple(want.shape)}")
 
 
+def check_state(own: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: Path | None) -> None:
+    """Weights `sd` against an encoder's own state dict `own`: missing, unexpected or misshapen ones raise, naming
+    `source` (the weights file) and the weight."""
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise MoembedError(f"{source}: weights do not match the config ({what})")
+    for k, v in sd.items():
+        if own[k].shape != v.shape:
+            raise MoembedError(f"{source}: weight {k!r} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")
+
+
 # ---- writing ------------------------------------------------------------------------------------------------------
 
 

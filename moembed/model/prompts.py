@@ -76,6 +76,11 @@ def role_prompt(prompts: dict[str, str], role: str) -> str | None:
     return next((p for p in ROLE_PROMPTS[role] if p in prompts), None)
 
 
+def role_args(prompts: dict[str, str], role: str, prompt_name: str | None, prompt: str | None):
+    """(prompt_name, prompt) of `encode_query` / `encode_document`: the role's prompt unless one is given."""
+    return (role_prompt(prompts, role) if prompt_name is None and prompt is None else prompt_name), prompt
+
+
 def prompt_token_count(tokenizer, prefix: str) -> int:
     """How many leading positions of `prefix + text` the prompt takes, as sentence-transformers counts them
     (module docstring); 0 for no prefix. tokenizer: a `moembed.model.tokenizer.TextTokenizer`."""
