@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from moembed.devices import INT8, resolve_device, resolve_dtype
 from moembed.errors import MoembedError
+from moembed.model.card import CardInfo
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
 from moembed.model.inference import length_sorted_batches, run_batches
@@ -435,8 +436,9 @@ class Embedder(nn.Module):
                 raise MoembedError(f"dtype: {e}") from None  # e: "int8: ..."
         return emb
 
-    def save(self, path: str | Path) -> None:
-        """Write the moembed format atomically; the directory becomes this model's `source_dir`."""
-        save_parts(self.parts(), path)
+    def save(self, path: str | Path, card: CardInfo | None = None) -> None:
+        """Write the moembed format atomically, with a model card (`card`: what the caller knows of the model's
+        training, `moembed.model.card`); the directory becomes this model's `source_dir`."""
+        save_parts(self.parts(), path, card)
         self.source_dir = Path(path)
 
