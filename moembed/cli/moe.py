@@ -66,7 +66,8 @@ def upcycle_card(model: str, options: dict, kmeans_texts: Path | None, texts: li
     from moembed.model.card import CardInfo, table
 
     rows = [("dense model", f"`{model}`"), *((f"`--{k}`", v) for k, v in options.items())]
-    training = f"Upcycled with `moembed upcycle` (docs/moe.md), not trained since.\n\n{table(('setting', 'value'), rows)}"
+    training = ("Upcycled with `moembed upcycle` (docs/moe.md), not trained since.\n\n"
+                + table(("setting", "value"), rows))
     data = None
     if kmeans_texts is not None:
         data = ("The router's k-means centroids were fitted on these texts.\n\n"

@@ -26,7 +26,8 @@ def recipe(cfg: TrainConfig, moe: bool) -> str:
     """The recipe table and the full config (markdown)."""
     loss, o = cfg.loss, cfg.optim
     if cfg.stage == "mlm":
-        objective = f"masked language modelling, {cfg.mlm.mask_prob:.0%} of tokens masked, sequences of {cfg.mlm.seq_len}"
+        objective = (f"masked language modelling, {cfg.mlm.mask_prob:.0%} of tokens masked, sequences of "
+                     f"{cfg.mlm.seq_len}")
     else:
         objective = (f"InfoNCE, temperature {loss.temperature}, {loss.num_hard_negatives} hard negatives per query"
                      f"{', symmetric' if loss.symmetric else ''}"
