@@ -128,7 +128,8 @@ class Embedder(nn.Module):
 
     def derive(self, encoder: Encoder, **changes) -> Embedder:
         """A new Embedder around `encoder` with this one's tokenizer and settings; keyword arguments (pooling,
-        normalize, prompts, include_prompt, name, calibration, source_dir, ...) replace them. Used by `moembed.model.convert`."""
+        normalize, prompts, include_prompt, name, calibration, source_dir, ...) replace them. Used by
+        `moembed.model.convert`."""
         settings = dict(tokenizer=self.tokenizer, pooling=self.pooling, normalize=self.normalize, prompts=self.prompts,
                         name=self.name, calibration=self.calibration, source_dir=self.source_dir,
                         autocast=self.autocast, similarity_fn_name=self.similarity_fn_name)
