@@ -1,4 +1,4 @@
-"""Reading JSONL input and writing outputs atomically and durably.
+"""Writing outputs atomically and durably (the readers of input files are `moembed.inputs`, re-exported here).
 
 Every file moembed writes goes through `atomic_path` / `atomic_dir`: the data is written beside the target under a
 hidden temporary name, flushed to disk (fsync of every file and directory written), and moved into place only when
@@ -40,9 +40,25 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from moembed.errors import MoembedError
+from moembed.inputs import (  # noqa: F401 - re-exported: most commands import their readers from here
+    iter_jsonl,
+    json_kind,
+    json_surrogate,
+    open_input,
+    parse_json_line,
+    read_error,
+    read_text_lines,
+    read_texts,
+    read_yaml,
+    surrogate_at,
+    unicode_problem,
+)
+
+__all__ = ["atomic_dir", "atomic_path", "make_parent", "move_into_place", "recover_dir", "remove_dir", "write_jsonl",
+           "iter_jsonl", "json_kind", "json_surrogate", "open_input", "parse_json_line", "read_error",
+           "read_text_lines", "read_texts", "read_yaml", "surrogate_at", "unicode_problem"]
 
 log = logging.getLogger("moembed")
 
@@ -328,137 +344,6 @@ def move_into_place(src: str | os.PathLike, target: str | os.PathLike) -> None:
         raise _write_error(target, e, _free_bytes(target.parent), False) from None
 
 
-def read_error(path: str | os.PathLike, e: OSError) -> MoembedError:
-    """The error for an input that cannot be opened: a directory and a missing file are named as such."""
-    path = Path(path)
-    if isinstance(e, IsADirectoryError) or path.is_dir():
-        return MoembedError(f"{path}: cannot read (is a directory, not a file)")
-    if isinstance(e, FileNotFoundError):
-        return MoembedError(f"{path}: cannot read (no such file)")
-    return MoembedError(f"{path}: cannot read ({e.strerror or e})")
-
-
-def open_input(path: str | os.PathLike):
-    """An input file opened for binary reading; a directory, a missing file or no permission is a MoembedError."""
-    try:
-        if Path(path).is_dir():
-            raise IsADirectoryError(path)
-        return open(path, "rb")
-    except OSError as e:
-        raise read_error(path, e) from None
-
-
-def read_text_lines(path: str | os.PathLike) -> list[str]:
-    """All lines of a UTF-8 text file (without newlines); errors name the file and line."""
-    path = Path(path)
-    with open_input(path) as fh:
-        raw = fh.read()
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            out.append(line.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError:
-            raise MoembedError(f"{path}:{i}: not valid UTF-8") from None
-    return out
-
-
-# ---- input -------------------------------------------------------------------------------------------------------
-
-
-def surrogate_at(text: str) -> int | None:
-    """The index of the first lone surrogate (U+D800..U+DFFF) in `text`, or None. JSON can spell one ("\\ud800")
-    and Python holds it, but UTF-8 cannot encode it and tokenizers refuse it, so text is checked where it enters."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as e:
-        return e.start
-
-
-def unicode_problem(text: str, at: int) -> str:
-    return f"not valid Unicode (lone surrogate U+{ord(text[at]):04X} at character {at})"
-
-
-def json_surrogate(value: Any) -> str | None:
-    """What is wrong when a parsed JSON value holds a lone surrogate in any string (key or value), else None."""
-    if isinstance(value, str):
-        at = surrogate_at(value)
-        return None if at is None else unicode_problem(value, at)
-    if isinstance(value, dict):
-        items = [*value.keys(), *value.values()]
-    elif isinstance(value, list):
-        items = value
-    else:
-        return None
-    for item in items:
-        problem = json_surrogate(item)
-        if problem is not None:
-            return problem
-    return None
-
-
-def parse_json_line(raw: bytes) -> Any:
-    """One JSONL line (bytes) → its value; ValueError with what is wrong (not UTF-8, invalid JSON, a lone
-    surrogate). Lone surrogates can only come from `\\uD8xx`-`\\uDFxx` escapes (raw ones are not UTF-8), so only lines
-    with such an escape are searched: other lines cost one substring test."""
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError("not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON ({e.msg})") from None
-    if b"\\ud" in raw or b"\\uD" in raw:
-        problem = json_surrogate(value)
-        if problem is not None:
-            raise ValueError(problem)
-    return value
-
-
-def iter_jsonl(path: str | os.PathLike, skip_bad: bool = False, bad: list | None = None) -> Iterator[tuple[int, Any]]:
-    """Yield (line_number, parsed_value) for each non-blank line of a JSONL file, streaming.
-
-    A line that is not valid UTF-8, JSON or Unicode (a lone surrogate) raises MoembedError naming file and line;
-    with `skip_bad` it is skipped and its line number appended to `bad` (when given) instead.
-    """
-    path = Path(path)
-    with open_input(path) as fh:
-        for i, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                value = parse_json_line(raw)
-            except ValueError as e:
-                if not skip_bad:
-                    raise MoembedError(f"{path}:{i}: {e}") from None
-                if bad is not None:
-                    bad.append(i)
-                continue
-            yield i, value
-
-
-def json_kind(value) -> str:
-    """How an error names a JSON value that is not what it wanted: an object by its keys, else by its type."""
-    if isinstance(value, dict):
-        return f"an object (keys: {', '.join(sorted(value)) or 'none'})"
-    return type(value).__name__
-
-
-def read_texts(path: str | os.PathLike, plain: bool = False) -> list[str]:
-    """Texts to embed: one JSON string per line, or with `plain` one raw text per line."""
-    if plain:
-        return read_text_lines(path)
-    texts = []
-    for i, value in iter_jsonl(path):
-        if not isinstance(value, str):
-            raise MoembedError(f"{path}:{i}: expected a JSON string, got {json_kind(value)}; this command reads one "
-                               "JSON string per line, or plain text lines with --plain")
-        texts.append(value)
-    return texts
-
-
 def write_jsonl(path: str | os.PathLike, records) -> int:
     """Write records as JSONL atomically; returns the count."""
     n = 0
@@ -467,19 +352,3 @@ def write_jsonl(path: str | os.PathLike, records) -> int:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
     return n
-
-
-def read_yaml(path: str | os.PathLike) -> Any:
-    """Parse a YAML file (empty → {}); errors name the file and, when known, the line."""
-    import yaml
-
-    try:
-        with open_input(path) as fh:
-            doc = yaml.safe_load(fh.read().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise MoembedError(f"{path}: not valid UTF-8") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise MoembedError(f"{path}{line}: invalid YAML") from None
-    return {} if doc is None else doc

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "moembed"
 # (layer, group, modules or packages). A module may import from its own group and from lower layers only.
 LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     (0, "core", ("moembed.errors", "moembed.fileio", "moembed.distributed", "moembed.devices", "moembed.version",
-                 "moembed.progress", "moembed.figures", "moembed.heap")),
+                 "moembed.progress", "moembed.figures", "moembed.heap", "moembed.inputs")),
     (1, "model", ("moembed.model",)),
     (2, "losses", ("moembed.losses",)),
     (2, "data", ("moembed.data",)),

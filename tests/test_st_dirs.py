@@ -76,7 +76,7 @@ def test_no_boolean_set_means_mean(tiny_st):
     ({"pooling_mode": {"mean": True}}, "1_Pooling/config.json: pooling_mode: pooling mode {'mean': True} is not"),
     ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},
      "pooling_mode_cls_token, pooling_mode_mean_tokens are all true"),
-    ({"pooling_mode": "mean", "include_prompt": False}, "1_Pooling/config.json: include_prompt False"),
+    ({"pooling_mode": "mean", "include_prompt": 0}, "1_Pooling/config.json: include_prompt: expected true or false"),
     ({"embedding_dimension": 31, "pooling_mode": "mean"}, "embedding_dimension 31 differs from config.json's hidden"),
 ])
 def test_unsupported_pooling_configs_name_the_file_and_key(tiny_st, cfg, message):

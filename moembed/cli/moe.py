@@ -36,7 +36,7 @@ def upcycle(
     save (docs/moe.md, "Upcycling options")."""
     from moembed.cli.models import count_parameters
     from moembed.data.calibration import ensure_calibration
-    from moembed.fileio import read_texts
+    from moembed.inputs import read_texts
     from moembed.model.convert.upcycle import upcycle as do_upcycle
     from moembed.model.embedder import Embedder
 
@@ -46,7 +46,10 @@ def upcycle(
                      granularity=granularity, reinit=reinit, router_init=router_init, kmeans_texts=texts,
                      balance_rate=balance_rate)
     typer.echo(f"moembed: {ensure_calibration(moe)}", err=True)
-    moe.save(out)
+    options = {"experts": experts, "top-k": top_k, "every": every, "offset": offset, "noise": noise,
+               "renormalize": renormalize, "seed": seed, "granularity": granularity, "reinit": reinit,
+               "router-init": router_init, "balance-rate": balance_rate}
+    moe.save(out, card=upcycle_card(model, options, kmeans_texts, texts))
     total, active = count_parameters(moe)
     layers = [i + 1 for i in moe.config.moe_layers()]
     typer.echo(
@@ -55,3 +58,18 @@ def upcycle(
         f"{total:,} parameters, {active:,} active per token",
         err=True,
     )
+
+
+def upcycle_card(model: str, options: dict, kmeans_texts: Path | None, texts: list[str] | None):
+    """The model card's recipe (the dense model and every upcycling option, as the command line gives them) and
+    data (the k-means texts, when the router was initialised from them)."""
+    from moembed.model.card import CardInfo, table
+
+    rows = [("dense model", f"`{model}`"), *((f"`--{k}`", v) for k, v in options.items())]
+    training = ("Upcycled with `moembed upcycle` (docs/moe.md), not trained since.\n\n"
+                + table(("setting", "value"), rows))
+    data = None
+    if kmeans_texts is not None:
+        data = ("The router's k-means centroids were fitted on these texts.\n\n"
+                + table(("file", "records"), [(f"`{kmeans_texts.name}`", f"{len(texts):,}")]))
+    return CardInfo(training=training, data=data)

@@ -68,7 +68,8 @@ def architecture(parts) -> list[tuple[str, str]]:
             ("layers x hidden", f"{c.num_layers} x {c.hidden_size} ({c.num_heads} heads, MLP {c.intermediate_size})"),
             ("parameters", f"{total:,} total, {active:,} active per token"),
             ("embedding dimension", str(c.hidden_size)),
-            ("pooling", f"{parts.pooling}{', L2-normalised' if parts.normalize else ''}"),
+            ("pooling", f"{parts.pooling}{', L2-normalised' if parts.normalize else ''}"
+                        f"{'' if parts.include_prompt else ', prompt tokens left out'}"),
             ("similarity", parts.similarity_fn_name),
             ("max length", f"{parts.tokenizer.max_length} tokens"),
             ("vocabulary", str(c.vocab_size))]
@@ -82,6 +83,12 @@ def architecture(parts) -> list[tuple[str, str]]:
     if parts.prompts:
         rows.append(("prompts", ", ".join(f"{k}=`{v}`" for k, v in parts.prompts.items())))
     return rows
+
+
+def table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    """A markdown table (the recipes and data of `moembed train` / `moembed upcycle` cards)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
 
 
 def usage(fmt: str, parts) -> str:

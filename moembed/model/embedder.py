@@ -13,7 +13,7 @@ stored calibration data. The Embedder implements `moembed.model.protocol.Embeddi
 and `Quantizes` capabilities.
 
 Inference in three layers, each usable on its own:
-    token_ids(texts, prefix)  → token-id lists (truncated to max_length)
+    token_ids(texts, prefix)  → token-id lists (truncated to max_length; with the prompt's length, `mark_prompt`)
     embed_ids(ids)            → (n, d) pooled float32, one padded forward pass, not normalised
     embed_tensor / encode     → length-sorted batches of the above; encode adds truncation, normalisation, precision
 
@@ -35,12 +35,15 @@ import torch.nn as nn
 
 from moembed.devices import INT8, resolve_device, resolve_dtype
 from moembed.errors import MoembedError
+from moembed.model.card import CardInfo
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
 from moembed.model.inference import length_sorted_batches, run_batches
-from moembed.model.io import ModelParts, read_parts, save_parts
+from moembed.model.io import ModelParts, check_state, read_parts, save_parts
 from moembed.model.linear import quantize_int8
 from moembed.model.pooling import POOLINGS, PRECISIONS, SCALAR, int8_ranges, pack_bits, pool, quantize_scalar, truncate
+from moembed.model.prompts import (NOMIC_PROMPTS, mark_prompt, prefix_of, prompt_lengths, prompt_text,
+                                   prompt_token_count, role_args, role_prompt)
 from moembed.model.protocol import short_hash, weights_key
 from moembed.model.similarity import check_fn, similarity, similarity_pairwise
 from moembed.model.tokenizer import TextTokenizer
@@ -48,16 +51,7 @@ from moembed.progress import Progress, bar
 
 log = logging.getLogger("moembed")
 
-# Task prefixes of nomic-embed-v1 §4 (also used by Nomic v2): the default for models moembed trains.
-NOMIC_PROMPTS = {
-    "search_query": "search_query: ",
-    "search_document": "search_document: ",
-    "classification": "classification: ",
-    "clustering": "clustering: ",
-}
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings")
-# The prompt `encode_query` / `encode_document` use when none is given: the first of these names the model has.
-ROLE_PROMPTS = {"query": ("query", "search_query"), "document": ("document", "passage", "corpus", "search_document")}
 UNCALIBRATED = "needs calibration embeddings; call calibrate(texts) first, or run `moembed calibrate MODEL TEXTS`"
 
 
@@ -84,6 +78,7 @@ class Embedder(nn.Module):
     autocast: the dtype inference runs matmuls in (torch.bfloat16 / torch.float16), None for float32.
     similarity_fn_name: "cosine" or "dot", what `similarity` computes.
     default_prompt_name: the prompt `encode` applies when given none, as sentence-transformers' (None: no prefix).
+    include_prompt: False leaves a prompt's tokens out of the pooling (`moembed.model.prompts`).
     """
 
     def __init__(
@@ -99,6 +94,7 @@ class Embedder(nn.Module):
         autocast: torch.dtype | None = None,
         similarity_fn_name: str = "cosine",
         default_prompt_name: str | None = None,
+        include_prompt: bool = True,
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -114,8 +110,9 @@ class Embedder(nn.Module):
         self.autocast = autocast
         self.similarity_fn_name = similarity_fn_name
         if default_prompt_name is not None:
-            self.prefix(default_prompt_name)  # an unknown name raises, listing the known ones
+            prefix_of(self.prompts, None, default_prompt_name)  # an unknown name raises, listing the known ones
         self.default_prompt_name = default_prompt_name
+        self.include_prompt = include_prompt
 
     @property
     def config(self) -> EncoderConfig:
@@ -131,53 +128,58 @@ class Embedder(nn.Module):
 
     def derive(self, encoder: Encoder, **changes) -> Embedder:
         """A new Embedder around `encoder` with this one's tokenizer and settings; keyword arguments (pooling,
-        normalize, prompts, name, calibration, source_dir) replace them. Used by `moembed.model.convert`."""
+        normalize, prompts, include_prompt, name, calibration, source_dir, ...) replace them. Used by
+        `moembed.model.convert`."""
         settings = dict(tokenizer=self.tokenizer, pooling=self.pooling, normalize=self.normalize, prompts=self.prompts,
                         name=self.name, calibration=self.calibration, source_dir=self.source_dir,
                         autocast=self.autocast, similarity_fn_name=self.similarity_fn_name)
-        settings["default_prompt_name"] = self.default_prompt_name
+        settings.update(default_prompt_name=self.default_prompt_name, include_prompt=self.include_prompt)
         settings.update(changes)
         return Embedder(encoder, **settings).train(self.training)
 
     # ---- model ------------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> EmbedOutput:
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, prompt_lengths=None) -> EmbedOutput:
+        """prompt_lengths (B,): leading positions of each sequence pooling leaves out (None: none)."""
         out = self.encoder(input_ids, attention_mask, token_type_ids)
         lengths = out.attention_mask.sum(1)  # (B,)
-        emb = pool(out.packed_hidden, out.batch_index, lengths, self.pooling)  # (B, d)
+        skip = torch.as_tensor(prompt_lengths, dtype=lengths.dtype) if prompt_lengths is not None else None
+        emb = pool(out.packed_hidden, out.batch_index, lengths, self.pooling, skip)  # (B, d)
         return EmbedOutput(emb, out)
+
+    # ---- prompts (`moembed.model.prompts`) --------------------------------------------------------------------
 
     def prefix(self, prompt: str | None) -> str:
         """The text prefix for a prompt name (None → the default prompt's, if any); unknown names raise."""
-        if prompt is None:
-            return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name is not None else ""
-        if prompt not in self.prompts:
-            known = ", ".join(sorted(self.prompts)) or "none"
-            raise MoembedError(f"prompt_name: unknown name {prompt!r}; this model knows: {known}")
-        return self.prompts[prompt]
+        return prefix_of(self.prompts, self.default_prompt_name, prompt)
 
     def prompt_text(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
-        """The prefix for `encode`'s prompt arguments: the literal `prompt`, or the text of `prompt_name`.
+        """The prefix for `encode`'s prompt arguments: the literal `prompt`, or the text of `prompt_name` (not both)."""
+        return prompt_text(self.prompts, self.default_prompt_name, prompt_name, prompt)
 
-        Giving both raises (sentence-transformers silently prefers `prompt`; moembed refuses the ambiguity)."""
-        if prompt is not None and prompt_name is not None:
-            raise MoembedError(f"prompt and prompt_name: give one, not both (got {prompt!r} and {prompt_name!r})")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise MoembedError(f"prompt: expected a string, got {type(prompt).__name__}")
-            return prompt
-        return self.prefix(prompt_name)
+    def role_prompt(self, role: str) -> str | None:
+        """The prompt name this model gives a "query" or a "document", None when it has none."""
+        return role_prompt(self.prompts, role)
+
+    def mark_prompt(self, ids: list[list[int]], prefix: str) -> list[list[int]]:
+        """Token ids of `prefix + text` marked with the prefix's token count when pooling leaves it out
+        (include_prompt false), so that `embed_ids` and the server pool them as sentence-transformers does."""
+        if self.include_prompt or not prefix:
+            return ids
+        return mark_prompt(ids, prompt_token_count(self.tokenizer, prefix))  # one short tokenization
 
     # ---- inference --------------------------------------------------------------------------------------------
 
     def token_ids(self, texts: list[str], prefix: str = "") -> tuple[list[list[int]], int]:
         """Token ids of `prefix + text` per text (special tokens included, truncated to `max_length`) and the
         number of texts that were truncated. A long text is cut before tokenization, exactly: it costs what the
-        model reads, not its length (`moembed.model.tokenizer`); a lone surrogate names its text."""
+        model reads, not its length (`moembed.model.tokenizer`); a lone surrogate names its text. With
+        include_prompt false each list carries the prefix's token count (`mark_prompt`)."""
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise MoembedError(f"texts[{i}]: expected a string, got {type(t).__name__}")
-        return self.tokenizer.encode_ids(texts, prefix)
+        ids, truncated = self.tokenizer.encode_ids(texts, prefix)
+        return self.mark_prompt(ids, prefix), truncated
 
     @torch.inference_mode()
     def embed_ids(self, ids: list[list[int]]) -> torch.Tensor:
@@ -185,7 +187,7 @@ class Embedder(nn.Module):
         forward pass (call on a model in eval mode, as `load` returns it)."""
         device = next(self.parameters()).device
         input_ids, mask = self.tokenizer.pad(ids)  # (n, T) each
-        return self(input_ids.to(device), mask.to(device)).embeddings.float().cpu()
+        return self(input_ids.to(device), mask.to(device), prompt_lengths=prompt_lengths(ids)).embeddings.float().cpu()
 
     @torch.inference_mode()
     def embed_tensor(
@@ -314,20 +316,12 @@ class Embedder(nn.Module):
     def encode_query(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
                      **kwargs):
         """`encode` with the model's query prompt ("query", else "search_query") unless a prompt is given."""
-        if prompt_name is None and prompt is None:
-            prompt_name = self.role_prompt("query")
-        return self.encode(sentences, prompt_name, prompt, **kwargs)
+        return self.encode(sentences, *role_args(self.prompts, "query", prompt_name, prompt), **kwargs)
 
     def encode_document(self, sentences: list[str] | str, prompt_name: str | None = None, prompt: str | None = None,
                         **kwargs):
         """`encode` with the model's document prompt ("document", "passage", else "search_document")."""
-        if prompt_name is None and prompt is None:
-            prompt_name = self.role_prompt("document")
-        return self.encode(sentences, prompt_name, prompt, **kwargs)
-
-    def role_prompt(self, role: str) -> str | None:
-        """The prompt name this model gives a "query" or a "document" (`ROLE_PROMPTS`), None when it has none."""
-        return next((p for p in ROLE_PROMPTS[role] if p in self.prompts), None)
+        return self.encode(sentences, *role_args(self.prompts, "document", prompt_name, prompt), **kwargs)
 
     @property
     def similarity_fn_name(self) -> str:
@@ -396,6 +390,8 @@ class Embedder(nn.Module):
                     "pooling": self.pooling, "normalize": self.normalize, "prompts": self.prompts}
         if self.default_prompt_name is not None:  # keys of models without one stay as they were
             settings["default_prompt"] = self.prefix(None)
+        if not self.include_prompt:
+            settings["include_prompt"] = False
         if self.compute != "float32":  # float32's key as it always was: caches made before stay valid
             settings["compute"] = self.compute
         return short_hash(json.dumps(settings, sort_keys=True))
@@ -407,18 +403,18 @@ class Embedder(nn.Module):
         sd = {k: v.detach().cpu() for k, v in self.encoder.state_dict().items()}
         return ModelParts(self.config, sd, self.tokenizer, self.pooling, self.normalize, self.prompts, self.name,
                           self.calibration, self.source_dir, similarity_fn_name=self.similarity_fn_name,
-                          default_prompt_name=self.default_prompt_name)
+                          default_prompt_name=self.default_prompt_name, include_prompt=self.include_prompt)
 
     @classmethod
     def from_parts(cls, parts: ModelParts) -> Embedder:
         """An Embedder in eval mode; weights that do not fit the config raise, naming the file and the weight."""
-        encoder = Encoder.for_weights(parts.config)  # every weight is loaded below (`_check_state`)
-        _check_state(encoder, parts.state_dict, parts.weights_path)
+        encoder = Encoder.for_weights(parts.config)  # every weight is loaded below (`check_state`)
+        check_state(encoder.state_dict(), parts.state_dict, parts.weights_path)
         encoder.load_state_dict(parts.state_dict)
         return cls(encoder, parts.tokenizer, pooling=parts.pooling, normalize=parts.normalize, prompts=parts.prompts,
                    name=parts.name, calibration=parts.calibration, source_dir=parts.source_dir,
                    similarity_fn_name=parts.similarity_fn_name,
-                   default_prompt_name=parts.default_prompt_name).eval()
+                   default_prompt_name=parts.default_prompt_name, include_prompt=parts.include_prompt).eval()
 
     @classmethod
     def load(cls, path: str | Path, max_length: int | None = None, device: str | None = "cpu",
@@ -441,19 +437,9 @@ class Embedder(nn.Module):
                 raise MoembedError(f"dtype: {e}") from None  # e: "int8: ..."
         return emb
 
-    def save(self, path: str | Path) -> None:
-        """Write the moembed format atomically; the directory becomes this model's `source_dir`."""
-        save_parts(self.parts(), path)
+    def save(self, path: str | Path, card: CardInfo | None = None) -> None:
+        """Write the moembed format atomically, with a model card (`card`: what the caller knows of the model's
+        training, `moembed.model.card`); the directory becomes this model's `source_dir`."""
+        save_parts(self.parts(), path, card)
         self.source_dir = Path(path)
 
-
-def _check_state(encoder: Encoder, sd: dict[str, torch.Tensor], source: Path | None) -> None:
-    own = encoder.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise MoembedError(f"{source}: weights do not match the config ({what})")
-    for k, v in sd.items():
-        if own[k].shape != v.shape:
-            raise MoembedError(f"{source}: weight {k!r} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")

@@ -5,7 +5,7 @@
 
 moembed format:
     config.json         {"format": "moembed", "version", "name", "encoder": {...}, "pooling", "normalize",
-                         "prompts", "max_length", "similarity_fn_name", "default_prompt_name"}
+                         "prompts", "max_length", "similarity_fn_name", "default_prompt_name", "include_prompt"}
     model.safetensors   encoder weights (moembed names)
     tokenizer.json      (plus the source's other tokenizer files, kept for export)
     calibration.safetensors   sample of embeddings for int8 ranges ("embeddings", (n, d) float32); every model
@@ -60,6 +60,7 @@ class ModelParts:
     weights_path: Path | None = None  # where the weights were read from (named in errors)
     similarity_fn_name: str = "cosine"  # "cosine" | "dot", as sentence-transformers' config names it
     default_prompt_name: str | None = None  # the prompt `encode` applies when given none (a key of prompts)
+    include_prompt: bool = True  # False: pooling leaves a prompt's tokens out (`moembed.model.prompts`)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -131,7 +132,15 @@ def _read_moembed(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
                       calibration=read_calibration(path, config.hidden_size),
                       source_dir=path, weights_path=path / "model.safetensors",
                       similarity_fn_name=cfg.get("similarity_fn_name") or "cosine",
-                      default_prompt_name=cfg.get("default_prompt_name"))
+                      default_prompt_name=cfg.get("default_prompt_name"),
+                      include_prompt=_include_prompt(cfg, path / "config.json"))
+
+
+def _include_prompt(cfg: dict, file: Path) -> bool:
+    value = cfg.get("include_prompt", True)
+    if not isinstance(value, bool):
+        raise MoembedError(f"{file}: include_prompt: expected true or false, got {value!r}")
+    return value
 
 
 def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
@@ -154,7 +163,7 @@ def _read_hf(path: Path, cfg: dict, max_length: int | None) -> ModelParts:
     tok = TextTokenizer.from_dir(path, max_length or st.max_seq_length or tok_max)
     return ModelParts(config, sd, tok, pooling=st.pooling, normalize=st.normalize, prompts=st.prompts,
                       name=path.name, source_dir=path, weights_path=path, similarity_fn_name=st.similarity_fn_name,
-                      default_prompt_name=st.default_prompt_name,
+                      default_prompt_name=st.default_prompt_name, include_prompt=st.include_prompt,
                       calibration=read_calibration(path, config.hidden_size))
 
 
@@ -197,6 +206,19 @@ def _check_hf_shapes(raw: dict[str, torch.Tensor], family, config: EncoderConfig
                                f"implies {tuple(want.shape)}")
 
 
+def check_state(own: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], source: Path | None) -> None:
+    """Weights `sd` against an encoder's own state dict `own`: missing, unexpected or misshapen ones raise, naming
+    `source` (the weights file) and the weight."""
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise MoembedError(f"{source}: weights do not match the config ({what})")
+    for k, v in sd.items():
+        if own[k].shape != v.shape:
+            raise MoembedError(f"{source}: weight {k!r} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")
+
+
 # ---- writing ------------------------------------------------------------------------------------------------------
 
 
@@ -218,6 +240,7 @@ def write_parts(parts: ModelParts, out: Path) -> None:
         "encoder": parts.config.model_dump(mode="json"), "pooling": parts.pooling, "normalize": parts.normalize,
         "prompts": parts.prompts, "max_length": parts.tokenizer.max_length,
         "similarity_fn_name": parts.similarity_fn_name, "default_prompt_name": parts.default_prompt_name,
+        "include_prompt": parts.include_prompt,
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     sd = {k: v.detach().contiguous().cpu() for k, v in parts.state_dict.items()}
@@ -320,5 +343,6 @@ def _write_st_modules(parts: ModelParts, tmp: Path, first_type: str) -> None:
     """modules.json, Pooling, Normalize and the sentence-transformers configs (`st_config.write_st_modules`)."""
     write_st_modules(tmp, first_type, hidden_size=parts.config.hidden_size, pooling=parts.pooling,
                      normalize=parts.normalize, max_length=parts.tokenizer.max_length, prompts=parts.prompts or {},
-                     default_prompt_name=parts.default_prompt_name, similarity_fn_name=parts.similarity_fn_name,
+                     default_prompt_name=parts.default_prompt_name, include_prompt=parts.include_prompt,
+                     similarity_fn_name=parts.similarity_fn_name,
                      version=__version__)

@@ -35,12 +35,18 @@ PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 SCALAR = ("int8", "uint8")  # precisions that need calibration ranges
 
 
-def pool(packed: torch.Tensor, batch_index: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:
+def pool(packed: torch.Tensor, batch_index: torch.Tensor, lengths: torch.Tensor, mode: str,
+         skip: torch.Tensor | None = None) -> torch.Tensor:
     """Pool packed token states (N, d) into sequence vectors (B, d).
 
     batch_index (N,) gives each token's sequence; lengths (B,) the real tokens per sequence (tokens of a
-    sequence are contiguous and in order in the packed layout).
+    sequence are contiguous and in order in the packed layout). skip (B,): leading positions of each sequence
+    left out, its prompt's (`moembed.model.prompts`), as sentence-transformers' `include_prompt: false` masks
+    them: "cls" takes the first token after the prompt, "last" is unchanged, weightedmean's weights stay the
+    positions in the whole sequence.
     """
+    if skip is not None:
+        return _pool_after(packed, batch_index, lengths, mode, skip.to(lengths.device))
     B, d = lengths.shape[0], packed.shape[-1]
     counts = lengths.clamp(min=1).unsqueeze(-1).to(packed.dtype)  # (B, 1)
     if mode in ("mean", "mean_sqrt_len"):
@@ -60,6 +66,33 @@ def pool(packed: torch.Tensor, batch_index: torch.Tensor, lengths: torch.Tensor,
         sums = packed.new_zeros(B, d).index_add_(0, batch_index, packed * w.unsqueeze(-1))  # (B, d)
         return sums / packed.new_zeros(B).index_add_(0, batch_index, w).clamp(min=1).unsqueeze(-1)
     raise MoembedError(f"pooling: unknown mode {mode!r}; choose one of {', '.join(POOLINGS)}")
+
+
+def _pool_after(packed: torch.Tensor, batch_index: torch.Tensor, lengths: torch.Tensor, mode: str,
+                skip: torch.Tensor) -> torch.Tensor:
+    """`pool` of the tokens at positions >= skip (B,) of each sequence (a prompt's tokens left out)."""
+    B, d = lengths.shape[0], packed.shape[-1]
+    ends = torch.cumsum(lengths, 0)  # (B,)
+    starts = ends - lengths  # (B,)
+    if mode == "cls":  # the first token after the prompt; the first of all when nothing follows it
+        return packed.index_select(0, starts + torch.where(lengths > skip, skip, 0))
+    if mode == "last":
+        return packed.index_select(0, ends - 1)
+    pos = torch.arange(packed.shape[0], device=packed.device) - starts.index_select(0, batch_index)  # (N,) 0, 1, ...
+    keep = pos >= skip.index_select(0, batch_index)  # (N,)
+    x, seq = packed[keep], batch_index[keep]  # (M, d), (M,)
+    if mode == "max":
+        out = packed.new_full((B, d), float("-inf"))
+        return out.scatter_reduce_(0, seq.unsqueeze(-1).expand(-1, d), x, "amax")  # (B, d)
+    if mode == "weightedmean":
+        w = (pos[keep] + 1).to(packed.dtype)  # (M,) positions in the whole sequence, from 1
+    elif mode in ("mean", "mean_sqrt_len"):
+        w = packed.new_ones(x.shape[0])  # (M,)
+    else:
+        raise MoembedError(f"pooling: unknown mode {mode!r}; choose one of {', '.join(POOLINGS)}")
+    sums = packed.new_zeros(B, d).index_add_(0, seq, x * w.unsqueeze(-1))  # (B, d)
+    total = packed.new_zeros(B).index_add_(0, seq, w).clamp(min=1).unsqueeze(-1)  # (B, 1)
+    return sums / (total.sqrt() if mode == "mean_sqrt_len" else total)
 
 
 def truncate(emb: torch.Tensor, dim: int | None, normalize: bool = True) -> torch.Tensor:

@@ -10,6 +10,7 @@ optionally Normalize) and the configs of those modules:
         6.x      {"embedding_dimension": d, "pooling_mode": "mean", "include_prompt": true}
         (no boolean set means mean, as sentence-transformers reads it; several set, or a list of modes, means
         their vectors concatenated, which moembed refuses)
+        include_prompt false: a prompt's tokens are left out of the pooling (`moembed.model.prompts`)
     2_Normalize/                       L2 normalisation of the pooled vector (a config file or none)
     sentence_bert_config.json          max_seq_length (6.x leaves it out: tokenizer_config.json's model_max_length)
     config_sentence_transformers.json  prompts, default_prompt_name, similarity_fn_name, model_type
@@ -59,6 +60,7 @@ class StSettings:
     similarity_fn_name: str = "cosine"
     max_seq_length: int | None = None
     embedding_dimension: int | None = None  # as the pooling config states it, checked against the encoder
+    include_prompt: bool = True  # False: a prompt's tokens are not pooled (`moembed.model.prompts`)
 
 
 def read_json(path: Path):
@@ -126,15 +128,14 @@ def _read_pooling(file: Path) -> StSettings:
         key, mode = (keys[0], LEGACY_KEYS[keys[0]]) if keys else ("no pooling_mode_* set", "mean")
     if not isinstance(mode, str) or mode not in ST_POOLING:
         raise MoembedError(f"{file}: {key}: pooling mode {mode!r} is not supported; supported: {supported}")
-    if cfg.get("include_prompt", True) is not True:
-        raise MoembedError(f"{file}: include_prompt {cfg['include_prompt']!r}: leaving the prompt's tokens out of "
-                           "the pooling is not supported (moembed pools every token of the prompted text); "
-                           "true pools as moembed does")
+    include_prompt = cfg.get("include_prompt", True)
+    if not isinstance(include_prompt, bool):
+        raise MoembedError(f"{file}: include_prompt: expected true or false, got {include_prompt!r}")
     dim = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension"))
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
         raise MoembedError(f"{file}: embedding_dimension: expected an integer, got {dim!r}")
     return StSettings(pooling=ST_POOLING[mode], origin=f"{file.parent.name}/{file.name} ({key})",
-                      embedding_dimension=dim)
+                      embedding_dimension=dim, include_prompt=include_prompt)
 
 
 def _read_max_length(file: Path) -> int | None:
@@ -180,7 +181,7 @@ def tokenizer_max_length(path: Path) -> int | None:
 
 def write_st_modules(out: Path, first_type: str, *, hidden_size: int, pooling: str, normalize: bool,
                      max_length: int, prompts: dict[str, str] | None, default_prompt_name: str | None,
-                     similarity_fn_name: str, version: str) -> None:
+                     similarity_fn_name: str, version: str, include_prompt: bool = True) -> None:
     """modules.json (the first module in the root, then Pooling and Normalize) and the module configs, in the
     format every sentence-transformers version reads (module docstring)."""
     modules = [
@@ -196,7 +197,7 @@ def write_st_modules(out: Path, first_type: str, *, hidden_size: int, pooling: s
     cfg = {"word_embedding_dimension": hidden_size, **{k: m == mode for k, m in LEGACY_KEYS.items()}}
     if mode != "mean_sqrt_len_tokens":  # the one mode 3.x–5.x do not take as a string
         cfg["pooling_mode"] = mode
-    cfg["include_prompt"] = True
+    cfg["include_prompt"] = include_prompt
     (out / "1_Pooling" / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length, "do_lower_case": False}))
     (out / "config_sentence_transformers.json").write_text(json.dumps({

@@ -24,6 +24,7 @@ from sentence_transformers.base.modules.input_module import InputModule
 
 from moembed.model.embedder import Embedder
 from moembed.model.io import write_parts
+from moembed.model.prompts import prompt_token_count
 
 
 class MoembedEncoder(InputModule):
@@ -51,7 +52,10 @@ class MoembedEncoder(InputModule):
     def preprocess(self, inputs: Sequence[str], prompt: str | None = None, **kwargs) -> dict[str, Any]:
         ids, _ = self.embedder.token_ids(list(inputs), prompt or "")
         input_ids, mask = self.embedder.tokenizer.pad(ids)
-        return {"input_ids": input_ids, "attention_mask": mask.long()}
+        out = {"input_ids": input_ids, "attention_mask": mask.long()}
+        if prompt and not self.embedder.include_prompt:  # what sentence-transformers' Pooling then leaves out
+            out["prompt_length"] = prompt_token_count(self.embedder.tokenizer, prompt)
+        return out
 
     def forward(self, features: dict[str, torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
         out = self.embedder.encoder(features["input_ids"], features["attention_mask"].bool(), features.get("token_type_ids"))

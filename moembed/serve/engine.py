@@ -20,6 +20,7 @@ import torch
 from moembed.devices import INT8, resolve_device
 from moembed.errors import MoembedError
 from moembed.model.linear import int8_kernel
+from moembed.model.prompts import prompt_lengths
 
 # API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt
 # gets no prefix: its texts are embedded as given.
@@ -106,20 +107,23 @@ class EmbedderEngine:
         return self.emb.prefix(prompt if prompt in self.emb.prompts else None)  # None: the default prompt, if any
 
     def tokenize(self, texts: list[str], input_type: str | None = None, truncate: bool = True) -> tuple[list[list[int]], int]:
-        texts = [self.prefix(input_type) + t for t in texts]
+        """Each id list carries its prompt's length when the model leaves prompts out of pooling (`embed`)."""
+        prefix = self.prefix(input_type)
         if truncate:
-            return self.emb.token_ids(texts)
-        ids = [e.ids for e in self._untruncated.encode_batch(texts)]
+            return self.emb.token_ids(texts, prefix)
+        ids = [e.ids for e in self._untruncated.encode_batch([prefix + t for t in texts])]
         for i, x in enumerate(ids):
             if len(x) > self.max_length:
                 raise TooLong(i, len(x), self.max_length)
-        return ids, 0
+        return self.emb.mark_prompt(ids, prefix), 0
 
     def embed(self, ids: list[list[int]]) -> torch.Tensor:
         input_ids, mask = self.emb.tokenizer.pad(ids)  # (B, T) each
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
         with torch.inference_mode(), amp:
-            out = self.emb(input_ids.to(self.device), mask.to(self.device)).embeddings  # (B, d)
+            # a batch may mix texts of several requests and prompts: each is pooled after its own prompt
+            out = self.emb(input_ids.to(self.device), mask.to(self.device), prompt_lengths=prompt_lengths(ids))
+            out = out.embeddings  # (B, d)
         return out.float().cpu()
 
     def postprocess(self, emb: torch.Tensor, dim: int | None, precision: str) -> np.ndarray:

@@ -11,7 +11,7 @@ forward passes per backward; `distributed.GradientSync`).
 
 Outputs in `output_dir`: config.yaml (resolved), metrics.jsonl, checkpoints/step-*/ (atomic, last N kept),
 plots/*.png, and the final model in the moembed format in model/, with an int8 calibration sample of its own
-training texts (`moembed.model.calibration`).
+training texts (`moembed.model.calibration`) and a model card giving the recipe and the data (`train.card`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from moembed.fileio import atomic_path
 from moembed.heap import allocator
 from moembed.model.recompute import set_recompute
 from moembed.train.build import build_model, check_paths
+from moembed.train.card import training_card
 from moembed.train.checkpoint import CheckpointManager, rng_state
 from moembed.train.config import TrainConfig
 from moembed.train.optim import build_optimizer
@@ -244,10 +245,17 @@ class Trainer:
         if self.main:
             self.embedder.eval()
             self.calibrate()
-            self.embedder.save(final)
+            self.embedder.save(final, card=training_card(self.cfg, _source_sizes(self.stream), self.stats,
+                                                         self.embedder.config.moe is not None))
             self.stage.write_extras(self.module, final)
         dist.barrier()
         return final
+
+
+def _source_sizes(stream) -> dict[str, int]:
+    """Records per source label, as the sampler counted them (pair streams hold sources, MLM streams packers)."""
+    sources = getattr(stream, "sources", None) or [p.source for p in getattr(stream, "packers", [])]
+    return {s.name: s.size for s in sources}
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:
