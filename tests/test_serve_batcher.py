@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from moembed.serve.batcher import Batcher, ShuttingDown, plan_batches, plan_pass
+from moembed.serve.batcher import Batcher, ShuttingDown, new_turn, plan_batches, plan_pass
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -229,6 +229,70 @@ def test_a_newcomer_runs_in_the_next_pass_and_large_requests_go_in_slices():
     assert all(len(x) <= 2 for x in fn.batches if x[0][0] == 7)
     assert outs[0].tolist() == [[56.0, 8.0]] * 200
     assert [o.tolist() for o in outs[1:]] == [[[5.0 * (i + 1), 5.0]] for i in range(3)]
+
+
+class SteppedEmbed(RecordingEmbed):
+    """RecordingEmbed whose passes wait at the gate one by one: `step()` lets one pass through, and `reached(k)`
+    waits (on the loop) until k passes have arrived at the gate, so a test knows which pass runs while it acts."""
+
+    def __init__(self):
+        super().__init__()
+        self.tickets = threading.Semaphore(0)
+        self.arrived = 0
+
+    def __call__(self, ids):
+        self.arrived += 1
+        assert self.tickets.acquire(timeout=10)
+        return super().__call__(ids)
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.tickets.release()
+
+    async def reached(self, k: int) -> None:
+        for _ in range(2000):
+            if self.arrived >= k:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"the worker never reached pass {k}")
+
+
+def test_every_newcomer_runs_right_after_the_pass_running_when_it_came():
+    """A one-text request that arrives during a slice of a large request runs in the next pass, the second one
+    too (it used to wait for a further slice, as every other one did); one that arrives during a newcomer's pass
+    waits for one slice, so newcomers never starve the large request."""
+    fn = SteppedEmbed()
+    b = Batcher(fn, dim=2, max_batch_tokens=64, max_batch_size=64, share=16)
+    b.start()
+    big = [[7] * 8 for _ in range(20)]
+
+    async def go():
+        first = b.submit(big)
+        await fn.reached(1)  # pass 1: a slice of the large request
+        one = b.submit([[1] * 5])
+        fn.step()
+        await fn.reached(2)  # pass 2: the newcomer
+        fn.step()
+        await fn.reached(3)  # pass 3: the large request again
+        two = b.submit([[2] * 5])
+        fn.step()
+        await fn.reached(4)  # pass 4: the second newcomer
+        three = b.submit([[3] * 5])  # arrives during a newcomer's pass: the large request goes first
+        fn.step(100)
+        return await asyncio.gather(first, one, two, three)
+
+    outs = _run(go())
+    b.close(10)
+    kinds = ["big" if x[0][0] == 7 else x[0][0] for x in fn.batches]
+    assert kinds[:6] == ["big", 1, "big", 2, "big", 3]
+    assert outs[0].tolist() == [[56.0, 8.0]] * 20 and outs[2].tolist() == [[10.0, 5.0]]
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_new_turn_goes_to_newcomers_unless_started_jobs_were_left_out(served):
+    assert new_turn(True, False, served) and not new_turn(False, True, served)  # one kind waits: it goes
+    assert new_turn(True, True, served) is served  # both wait: newcomers, unless the last pass left started ones out
+    assert not new_turn(False, False, served)
 
 
 def test_texts_of_a_cancelled_request_are_dropped():

@@ -4,9 +4,9 @@ worker thread, and a large request is cut into slices interleaved with the other
 Each request puts its (already tokenized) texts on the queue as one job and awaits a future. A single worker
 thread, so that the event loop never waits on torch, plans one forward pass at a time (`plan_pass`):
 
-1. candidates: the jobs that have not had a pass yet ("new"), or the jobs already under way, in turn: after a
-   pass of new jobs comes a pass of started ones, so a newcomer never waits behind more than the pass running
-   when it arrived, and a stream of newcomers never starves a large request;
+1. candidates: the jobs that have not had a pass yet ("new"), or the jobs already under way (`new_turn`): new
+   jobs go first unless the last pass gave the started ones nothing, so a newcomer that arrives during a slice
+   of a large request runs in the very next pass, and a stream of newcomers never starves a large request;
 2. the pass takes the candidates' texts round-robin, one text per job per turn, each job's texts shortest
    first, while the pass stays within `max_batch_tokens` padded tokens (batch size × longest text, as
    text-embeddings-inference budgets a batch by tokens rather than requests) and `max_batch_size` texts, and
@@ -61,6 +61,15 @@ def plan_pass(queues: Sequence[Sequence[int]], max_tokens: int, max_size: int, s
                 still.append(j)
         active = still
     return counts
+
+
+def new_turn(new: bool, started: bool, served: bool) -> bool:
+    """Whether the next pass takes the new jobs (those without a pass yet) rather than the started ones; `served`:
+    the last pass held texts of a job that is started now. New jobs go first unless the started ones got nothing
+    from the last pass: a newcomer waits for the pass running when it arrived (or, when that pass was one of new
+    jobs, for one started pass more), and a stream of newcomers still leaves started jobs every other pass. A
+    large request's first slice serves it, so a newcomer behind it does not wait for its second slice."""
+    return new and (not started or served)
 
 
 def plan_batches(lengths: list[int], max_tokens: int, max_size: int) -> list[list[int]]:
@@ -162,7 +171,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closing = False
         self._aborted: BaseException | None = None
-        self._new_turn = True  # whose turn the next pass is when new and started jobs both wait
+        self._last: set[_Job] = set()  # the jobs the last pass held (`new_turn`)
         self._oldest_first = False  # shutdown: finish requests one by one instead of sharing passes fairly
         self._thread = threading.Thread(target=self._run, name="moembed-batcher", daemon=True)
 
@@ -248,10 +257,8 @@ class Batcher:
         else:
             new = [j for j in live if j.next == 0]
             started = [j for j in live if j.next > 0]
-            take_new = bool(new) and (self._new_turn or not started)
+            take_new = new_turn(bool(new), bool(started), any(j in self._last for j in started))
             group, share = (new if take_new else started), self.share
-            if started and new:
-                self._new_turn = not take_new
         counts = plan_pass([j.lengths(self.max_batch_size) for j in group], self.max_batch_tokens,
                            self.max_batch_size, share)
         batch = []
@@ -259,6 +266,8 @@ class Batcher:
             batch.extend((job, i) for i in job.order[job.next:job.next + k])
             job.next += k
         self._jobs = [j for j in live if j.undispatched]
+        if batch:
+            self._last = {job for job, _ in batch}
         return batch
 
     def _forward(self, batch: list[tuple[_Job, int]]) -> None:
