@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import moembed.model.attention as attention
-from moembed.model import cpu
+from moembed.model import cpu, kernels
 from moembed.model.attention import attend, compute_dtype
 from moembed.model.encoder import Encoder
 from moembed.model.presets import tiny_config
@@ -127,7 +127,7 @@ def test_encoder_records_the_precision_and_matches_float32(upcast):
 
 # ---- compiled attention (CPU inference) --------------------------------------------------------------------------
 
-_no_compiler = pytest.mark.skipif(attention.compiled() is None, reason="no C compiler builds attention.c here")
+_no_compiler = pytest.mark.skipif(not kernels.available("attention"), reason="no C compiler builds attention.c here")
 
 
 def needs_compiled(test):

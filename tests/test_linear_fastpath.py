@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import moembed.model.linear as linear
-from moembed.model import cpu, rowquant
+from moembed.model import cpu, kernels
 from moembed.model.config import MoEConfig
 from moembed.model.linear import (
     Linear,
@@ -55,23 +55,23 @@ int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build ha
 # on such CPUs (Zen 4 and 5, AMX Xeons), fbgemm's everywhere.
 onednn_int8_only = pytest.mark.skipif(int8_kernel() != "onednn", reason="no VNNI or no oneDNN int8 kernel here")
 KERNELS = [pytest.param("onednn", marks=onednn_int8_only), "fbgemm"]
-COMPILED = rowquant.load() is not None
+COMPILED = kernels.available("rowquant")
 
 
 @pytest.fixture(params=[pytest.param("compiled", marks=pytest.mark.skipif(not COMPILED, reason="no C compiler")),
                         "torch"])
 def rows(request, monkeypatch):
-    """The int8 path's per-row work: `rowquant`'s compiled loops (counted, so that tests know they ran) or torch ops
-    (the compiled loops switched off in the layers' settings); (mode, calls, lib for `int8_linear`)."""
+    """The int8 path's per-row work: the compiled loops (counted, so that tests know they ran) or torch ops (the
+    compiled loops switched off in the layers' settings); (mode, calls, `fused` for `int8_linear`)."""
     calls = []
     if request.param == "torch":
         monkeypatch.setattr(UsesSettings, "settings", Settings("off"))
         monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
     else:
         for name in ("quantize_rows", "rescale_rows"):
-            fn = getattr(rowquant, name)
-            monkeypatch.setattr(rowquant, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
-    return request.param, calls, rowquant.load() if request.param == "compiled" else None
+            fn = getattr(kernels, name)
+            monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    return request.param, calls, request.param == "compiled"
 
 
 def _ran(rows, kernel: str = "onednn") -> None:
@@ -213,18 +213,18 @@ def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel, 
     ref = F.linear(x, w, b)
     amax = x.abs().amax(0)
     lib = rows[2]
-    with_outliers = int8_linear(x, pack_int8(w, b, amax, kernel), lib=lib)
-    without = int8_linear(x, pack_int8(w, b, None, kernel), lib=lib)
+    with_outliers = int8_linear(x, pack_int8(w, b, amax, kernel), fused=lib)
+    without = int8_linear(x, pack_int8(w, b, None, kernel), fused=lib)
     cos = lambda y: F.cosine_similarity(y, ref).min().item()  # noqa: E731
     assert cos(with_outliers) > 0.999
     assert cos(with_outliers) > cos(without)  # the outlier channels are what int8 alone gets wrong
     # Only the outlier channels, in float32: exact up to float32 rounding.
     only = torch.zeros_like(x)
     only[:, [3, 17]] = x[:, [3, 17]]
-    got = int8_linear(only, pack_int8(w, b, amax, kernel), lib=lib)
+    got = int8_linear(only, pack_int8(w, b, amax, kernel), fused=lib)
     torch.testing.assert_close(got, F.linear(only, w, b), atol=1e-4, rtol=1e-4)
     # GELU after the rescale (fused into it where compiled): exact GELU of the product, not an approximation.
-    gelu = int8_linear(x, pack_int8(w, b, amax, kernel), gelu=True, lib=lib)
+    gelu = int8_linear(x, pack_int8(w, b, amax, kernel), gelu=True, fused=lib)
     torch.testing.assert_close(gelu, F.gelu(with_outliers), atol=1e-5, rtol=1e-5)
     _ran(rows, kernel)
 
@@ -260,7 +260,7 @@ def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkey
     calls = []
     kernel = linear._onednn_qlinear
     monkeypatch.setattr(linear, "_onednn_qlinear", lambda *a: calls.append(1) or kernel(*a))
-    got = int8_linear(x, w, lib=rows[2])
+    got = int8_linear(x, w, fused=rows[2])
     assert calls == [1]  # the oneDNN kernel is what ran
 
     keep = torch.ones(96, dtype=torch.bool)
@@ -323,11 +323,11 @@ def test_int8_rows_are_quantised_each_on_its_own(kernel, rows):
     x[5:] *= 100.0
     g = torch.Generator().manual_seed(1)
     w = pack_int8(torch.randn(32, 64, generator=g) * 0.1, torch.randn(32, generator=g), x.abs().amax(0), kernel)
-    batched = int8_linear(x, w, lib=rows[2])
+    batched = int8_linear(x, w, fused=rows[2])
     for i in range(10):
         # float32 rounding only (the outlier channels' float GEMM runs other kernels for 1 row than for 10); a
         # grid shared with the large rows would be 100x coarser for the small ones, an error of whole percents
-        torch.testing.assert_close(int8_linear(x[i : i + 1], w, lib=rows[2]), batched[i : i + 1], atol=1e-5,
+        torch.testing.assert_close(int8_linear(x[i : i + 1], w, fused=rows[2]), batched[i : i + 1], atol=1e-5,
                                    rtol=1e-5)
     _ran(rows, kernel)
 
@@ -346,10 +346,10 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, ke
     assert all(m.last_path == ("int8-fused" if rows[0] == "compiled" else "int8") for m in linears)
     assert all(b.last_dispatch == "int8-loop" for b in blocks)
     _ran(rows, kernel)
-    import moembed.model.moe as moe  # the experts' int8 outputs combined by combine.c, as torch ops would
-    assert moe.combiner() is not None
+    # the experts' int8 outputs combined by combine.c, as torch ops would
+    assert kernels.available("combine")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe, "combiner", lambda: None)
+        mp.setattr(kernels, "available", lambda name: name != "combine")
         np.testing.assert_allclose(q.encode(sentences[:16]), got, atol=1e-6)
     assert all(m.int8.amax is not None for m in linears)  # outlier channels were measured
     packed = [m.weight_cache["int8"][1] for m in linears + [b.experts for b in blocks]]

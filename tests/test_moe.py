@@ -15,7 +15,7 @@ from moembed.errors import MoembedError
 from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_fractions
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
-from moembed.model import cpu
+from moembed.model import cpu, kernels
 from moembed.model.settings import Settings, apply
 from moembed.model.experts import grouped_support
 from moembed.model.moe import MoEBlock, set_dispatch
@@ -213,8 +213,6 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     reference, output bias included, and a token's output the same alone as in its batch."""
     import contextlib
 
-    import moembed.model.moe as moe
-
     if not (Settings("on").bf16_packing() if bf16 else Settings("on").packing()):
         pytest.skip("no oneDNN-packed kernels for this dtype on this CPU / torch build")
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -230,27 +228,20 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     x = torch.randn(45, 32)
     calls = []
 
-    class Counted:  # the compiled library, its calls counted
-        def __init__(self, lib):
-            self.lib = lib
-
-        def combine_rows(self, *args):
-            calls.append(args[4])  # N
-            return self.lib.combine_rows(*args)
-
-    lib = moe.combiner()
-    assert lib is not None, f"combine.c was not built: {moe.native.why_not('combine')}"
+    assert kernels.available("combine"), f"combine.c was not built: {kernels.why_not('combine')}"
+    combine_rows = kernels.combine_rows  # its calls counted
+    monkeypatch.setattr(kernels, "combine_rows", lambda *a: calls.append(a[3].shape[0]) or combine_rows(*a))
     with torch.inference_mode():
         blk.dispatch_mode = "naive"
         ref = blk(x)[0]
         blk.dispatch_mode = "auto"
-        monkeypatch.setattr(moe, "combiner", lambda: Counted(lib))
         with amp:
             got = blk(x)[0]
             assert blk.last_dispatch == path and calls == [45]
             alone = torch.cat([blk(x[i : i + 1])[0] for i in range(6)])
-            monkeypatch.setattr(moe, "combiner", lambda: None)  # no C compiler: torch ops
-            plain = blk(x)[0]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kernels, "available", lambda name: name != "combine")  # no C compiler: torch ops
+                plain = blk(x)[0]
             assert blk.last_dispatch == path and calls == [45] + [1] * 6
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
@@ -258,7 +249,6 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     if bf16:  # combine.c sums the bf16 rows in float32, the torch ops in bf16
         assert (got - ref).abs().max() <= (plain - ref).abs().max()
     blk.experts.row_multiple = 1  # no padding (as benchmarks/moe.py's unpadded variant)
-    monkeypatch.setattr(moe, "combiner", lambda: Counted(lib))
     with torch.inference_mode(), amp:
         unpadded = blk(x)[0]
     assert blk.last_dispatch == path and len(calls) == 8

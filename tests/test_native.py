@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moembed.model.attention as attention
+from moembed.errors import MoembedError
+
 import moembed.model.linear as linear
-import moembed.model.moe as moe
-from moembed.model import native, rowquant
+from moembed.model import kernels, native
 from moembed.model.quantize import quantize_int8
 from moembed.model.settings import Settings
 
@@ -20,9 +20,7 @@ needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no C compiler builds 
 
 def _clear():
     native.built.cache_clear()
-    rowquant.load.cache_clear()
-    attention.compiled.cache_clear()
-    moe.combiner.cache_clear()
+    kernels._lib.cache_clear()
 
 
 @pytest.fixture
@@ -44,9 +42,11 @@ def counted_builds(monkeypatch):
 
 def test_without_a_compiler_int8_and_attention_run_torch_ops(fresh_cache, monkeypatch, make_tiny):
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    assert rowquant.load() is None and attention.compiled() is None and moe.combiner() is None
-    assert rowquant.why_not() == "no C compiler (no-such-compiler-here) on PATH"
-    assert native.why_not("combine") == rowquant.why_not()
+    assert not any(kernels.available(name) for name in ("rowquant", "attention", "combine"))
+    assert kernels.why_not("rowquant") == "no C compiler (no-such-compiler-here) on PATH"
+    assert kernels.why_not("combine") == kernels.why_not("rowquant")
+    with pytest.raises(MoembedError, match="rowquant.c is not built here"):  # called anyway: refused, not a crash
+        kernels.rescale_rows(torch.ones(2, 3), torch.ones(2, 1), torch.zeros(3), False)
     assert "per-row quantisation in torch ops (no C compiler" in linear.int8_path(Settings())
     emb = make_tiny("bert")
     if linear.int8_available():
@@ -83,9 +83,8 @@ def test_a_broken_cached_file_is_rebuilt(fresh_cache, counted_builds):
     target = native.library_path("rowquant", native.compiler())
     target.parent.mkdir(parents=True)
     target.write_bytes(b"\x7fELF cut short")  # a copy cut short, a disk that filled up
-    lib = rowquant.load()
-    assert lib is not None and counted_builds == [target]
-    y = rowquant.rescale_rows(lib, torch.ones(2, 3), torch.full((2, 1), 2.0), torch.zeros(3), False)
+    assert kernels.available("rowquant") and counted_builds == [target]
+    y = kernels.rescale_rows(torch.ones(2, 3), torch.full((2, 1), 2.0), torch.zeros(3), False)
     assert y.eq(2.0).all()
 
 

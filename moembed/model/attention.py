@@ -13,7 +13,7 @@ Where bf16 attention has hardware of its own (AMX tiles, GPUs) the input's dtype
 
 **Compiled attention for CPU inference.** torch's CPU flash kernel runs far below the linear layers' rate at an
 encoder's shapes (12 heads of 32, T <= 128). An inference call (no gradient, eval mode, no dropout) in float32 or
-bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead, built by `moembed.model.native`,
+bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead (`moembed.model.kernels`),
 where `Settings.compiled_attention` (by default where torch runs AVX-512 kernels) and a C compiler builds it.
 Tiles of eight queries by 32 keys are held in registers, each sequence is computed against its own real keys only,
 in float32 (bf16 inputs widened as they are loaded, so bf16 inference gets float32 scores too). `packed_attention`
@@ -23,17 +23,14 @@ padded layout (models with rotary positions, which are applied there).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from moembed.model import native
+from moembed.model import kernels
 from moembed.model.settings import Settings
 
-COMPILED_HEAD_DIMS = (32, 64)  # what attention.c is specialised for
-COMPILED_MAX_LENGTH = 1024  # its longest sequence (its score rows live on the stack)
+COMPILED_HEAD_DIMS = kernels.HEAD_DIMS  # what attention.c is specialised for
+COMPILED_MAX_LENGTH = kernels.MAX_LENGTH  # its longest sequence (its score rows live on the stack)
 
 
 def compute_dtype(q: torch.Tensor, training: bool = False, settings: Settings = Settings()) -> torch.dtype:
@@ -56,17 +53,6 @@ def attention_in(dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.to(q.dtype)
 
 
-@functools.cache
-def compiled() -> ctypes.CDLL | None:
-    """`attention.c` compiled (`native.load`), typed; None where it cannot be built (`native.why_not`)."""
-    lib = native.load("attention")
-    if lib is not None:
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.attention.argtypes = [p, p, p, ctypes.c_int, i, i, i, i, p, p, p, ctypes.c_float, p]
-        lib.attention.restype = ctypes.c_int
-    return lib
-
-
 def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool,
                      settings: Settings = Settings()) -> bool:
     """Whether the compiled kernel takes attention over `x` (q, or the q/k/v projection): a CPU inference call (no
@@ -75,44 +61,19 @@ def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: flo
     return (
         x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not training and dropout_p == 0.0
         and not torch.is_grad_enabled() and head_dim in COMPILED_HEAD_DIMS and length <= COMPILED_MAX_LENGTH
-        and settings.compiled_attention() and compiled() is not None
+        and settings.compiled_attention() and kernels.available("attention")
     )
 
 
-def _run(q, k, v, starts, lengths, out, rows: int, strides: tuple[int, ...]) -> None:
-    """`attention.c` (its `Layout`: `strides` = q_b, q_h, q_t, k_b, k_h, k_t, v_b, v_h, v_t, o_b; `starts` None for
-    the padded layout); `rows`: output rows per sequence, zero past its length (0 for packed rows)."""
-    B, H, D = lengths.numel(), out.shape[-2], out.shape[-1]
-    rc = compiled().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), B, H,
-                              rows, D, None if starts is None else starts.data_ptr(), lengths.data_ptr(),
-                              (ctypes.c_int64 * 10)(*strides), D**-0.5, out.data_ptr())
-    if rc != 0:  # unreachable after `compiled_applies`; kept so that a mismatch cannot return garbage
-        raise RuntimeError(f"compiled attention refused B={B} H={H} hd={D} lengths up to {int(lengths.max())}")
-
-
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Attention of q, k, v (B, H, T, hd) float32 or bf16 (rows of hd contiguous) over each sequence's first
-    `lengths` (B,) keys, by `attention.c`, computed in float32 (bf16 values widened as they are loaded); (B, H, T,
-    hd) in q's dtype, a view of a (B, T, H, hd) buffer, zero at padded query rows (and for a sequence of length
-    0)."""
-    B, H, T, D = q.shape
-    out = torch.empty(B, T, H, D)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], T * H * D)
-    _run(q, k, v, None, lengths.to(torch.int64).contiguous(), out, T, strides)
-    return out.transpose(1, 2).to(q.dtype)
+    """`kernels.attention` of q, k, v (B, H, T, hd) over each sequence's first `lengths` (B,) keys; (B, H, T, hd) in
+    q's dtype, zero at padded query rows."""
+    return kernels.attention(q, k, v, lengths.to(torch.int64).contiguous())
 
 
 def packed_attention(qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, heads: int) -> torch.Tensor:
-    """Attention on packed rows: qkv (N, 3·H·hd), the q, k, v projections of sequences laid one after another
-    (sequence b in rows starts[b] .. starts[b] + lengths[b], both (B,) int64), with no padding; (N, H·hd) in qkv's
-    dtype. No gather pads the rows for the kernel, none drops the padding after it (the padded path does both),
-    and the keys are transposed inside the kernel."""
-    N, d = qkv.shape[0], qkv.shape[1] // 3
-    D = d // heads
-    qkv = qkv.contiguous()
-    out = torch.empty(N, heads, D)
-    _run(qkv, qkv[:, d:], qkv[:, 2 * d :], starts, lengths, out, 0, (0, D, 3 * d) * 3 + (0,))
-    return out.view(N, d).to(qkv.dtype)
+    """`kernels.packed_attention` on the packed rows qkv (N, 3·H·hd) of sequences laid one after another; (N, H·hd)."""
+    return kernels.packed_attention(qkv.contiguous(), starts, lengths, heads)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

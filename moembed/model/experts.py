@@ -244,9 +244,9 @@ class Experts(UsesSettings, nn.Module):
             pairs += [(self.fc1_weight[e], b1[e]), (self.fc2_weight[e], b2[e])]
             amax += [stats[0], stats[1][e]]
         w = int8_weights(self, pairs, amax)
-        gelu, lib = self.kind == "gelu", fused_rows(self.settings)  # GELU inside fc1's rescale (`linear.int8_linear`)
+        gelu, fused = self.kind == "gelu", fused_rows(self.settings)  # GELU inside fc1's rescale (`int8_linear`)
         act = (lambda h: h) if gelu else INPLACE_ACTIVATIONS.get(self.kind, self.act)  # on int8_linear's own buffer
-        return [int8_linear(act(int8_linear(p, w[2 * e], gelu, lib)), w[2 * e + 1], False, lib).contiguous()
+        return [int8_linear(act(int8_linear(p, w[2 * e], gelu, fused)), w[2 * e + 1], False, fused).contiguous()
                 if p.shape[0] else None
                 for e, p in enumerate(torch.split(x, sizes))]
 

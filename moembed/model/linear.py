@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moembed.model import cpu, rowquant
+from moembed.model import cpu, kernels
 from moembed.model.activations import INPLACE_ACTIVATIONS
 from moembed.model.cpu import bf16_is_fast, int8_available  # noqa: F401 - part of this module's API
 from moembed.model.settings import Settings, UsesSettings
@@ -179,10 +179,10 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tenso
     return Int8Weight(kernel, packed, None, None, out, w_outliers, bias, keep)
 
 
-def fused_rows(settings: Settings):
-    """`rowquant`'s compiled kernels for the int8 path's per-row work, or None: no C compiler, a failed build
-    (`rowquant.why_not()`), or the compiled loops switched off (`Settings.compiled_loops`)."""
-    return rowquant.load() if settings.compiled_loops() else None
+def fused_rows(settings: Settings) -> bool:
+    """Whether the int8 path's per-row work runs compiled (`kernels.quantize_rows`, `kernels.rescale_rows`): where
+    `rowquant.c` is built and the compiled loops are on (`Settings.compiled_loops`)."""
+    return settings.compiled_loops() and kernels.available("rowquant")
 
 
 def int8_path(settings: Settings | None = None) -> str:
@@ -191,32 +191,32 @@ def int8_path(settings: Settings | None = None) -> str:
     settings = settings or Settings.from_env()
     kernel = settings.int8_kernel()
     grid = "full 8-bit grid" if kernel == "onednn" else "7-bit grid"
-    if fused_rows(settings) is not None:
+    if fused_rows(settings):
         return f"{kernel} ({grid}), per-row quantisation compiled"
-    why = rowquant.why_not() if settings.compiled_loops() else "fast paths off"
+    why = kernels.why_not("rowquant") if settings.compiled_loops() else "fast paths off"
     return f"{kernel} ({grid}), per-row quantisation in torch ops ({why})"
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False, lib=None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False, fused: bool = False) -> torch.Tensor:
     """F.linear with int8 weights, then exact GELU if `gelu`: x (N, k) float32 → (N, n) float32, a buffer of its
-    own. `lib`: the compiled per-row loops (`fused_rows`), or None for torch ops.
+    own. `fused`: the per-row work in the compiled loops (`fused_rows`), else in torch ops.
 
     Each row is quantised with its own range (its largest |value| outside the outlier channels), so a text's
     embedding never depends on the other texts of its batch: the rows are divided by that maximum and quantised on
     one fixed grid over [-1, 1] (`ONEDNN_GRID`, `INT8_GRID`), which the kernel takes as given instead of measuring
     each call's range. The outlier channels of the scaled rows may lie beyond 1: the quantiser clamps them, and
-    their int8 weights are 0 (`pack_int8`); their float32 product is added before the rescale. With `lib`, the
-    range, the codes and the rescale (with bias and GELU) are one pass each (`rowquant`); otherwise torch ops do
+    their int8 weights are 0 (`pack_int8`); their float32 product is added before the rescale. With `fused`,
+    the range, the codes and the rescale (with bias and GELU) are one pass each (`kernels`); otherwise torch ops do
     the same steps.
     """
-    if lib is not None and w.kernel == "onednn":
+    if fused and w.kernel == "onednn":
         step, zero = ONEDNN_GRID
-        codes, m, xo = rowquant.quantize_rows(lib, x, w.keep, w.outliers, _ONEDNN_INV_STEP, zero)  # xo: x_o / m
+        codes, m, xo = kernels.quantize_rows(x.contiguous(), w.keep, w.outliers, _ONEDNN_INV_STEP, zero)  # xo: x_o/m
         y = _onednn_qlinear(codes, step, zero, w.packed, w.scale, w.zero, None, 1.0, 0, torch.float32,
                             "none", [], "")  # (N, n)
         if w.outliers.numel():
             y.addmm_(xo, w.w_outliers)  # (N, o) @ (o, n), on the row's scale like the int8 product
-        return rowquant.rescale_rows(lib, y, m, w.bias, gelu)
+        return kernels.rescale_rows(y, m, w.bias, gelu)
     xs = x.abs()  # (N, k), then the scaled rows
     if w.outliers.numel():
         xs.index_fill_(1, w.outliers, 0.0)
@@ -235,8 +235,8 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False, lib=None) ->
         y = torch.ops.quantized.linear_dynamic(torch.cat([xs.clamp_(-1.0, 1.0), fixed]), w.packed, True)[:-1]
     if xo is not None:
         y.addmm_(xo, w.w_outliers)
-    if lib is not None:  # fbgemm's product with the compiled rescale
-        return rowquant.rescale_rows(lib, y, m, w.bias, gelu)
+    if fused:  # fbgemm's product with the compiled rescale
+        return kernels.rescale_rows(y, m, w.bias, gelu)
     # in place: no second (N, n) buffer (a fresh one is page faults each call wherever malloc has trimmed its heap)
     y = torch.addcmul(w.bias, y, m, out=y)
     return INPLACE_ACTIVATIONS["gelu"](y) if gelu else y
@@ -275,10 +275,10 @@ class Linear(UsesSettings, nn.Linear):
         matmul on the packed paths (`packed_linear`)."""
         if self.weight.dtype == torch.float32:
             if self.int8 is not None and inference_pass(self, x):
-                lib = fused_rows(self.settings)
-                self.last_path = "int8-fused" if lib is not None else "int8"
+                fused = fused_rows(self.settings)
+                self.last_path = "int8-fused" if fused else "int8"
                 w = int8_weights(self, [(self.weight, self.bias)], [self.int8.amax])[0]
-                return int8_linear(x.reshape(-1, x.shape[-1]), w, gelu, lib).view(*x.shape[:-1], -1)
+                return int8_linear(x.reshape(-1, x.shape[-1]), w, gelu, fused).view(*x.shape[:-1], -1)
             dtype = packed_dtype(self, x, self.settings)
             if dtype is not None:
                 self.last_path = "packed" if dtype == torch.float32 else "packed-bf16"

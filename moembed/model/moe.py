@@ -29,8 +29,6 @@ Assignments compete in token order (earlier tokens first).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -39,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moembed.model import native
+from moembed.model import kernels
 from moembed.model.config import EncoderConfig
 from moembed.model.experts import Experts, grouped_support, padded_positions
 
@@ -184,9 +182,8 @@ class MoEBlock(nn.Module):
         """CPU inference on int8 or packed expert weights (`in_place`), output bias included: (N, d) → (N, d) float32.
 
         One gather writes the copies in slices (padded for the packed kernels), each expert writes its own buffer, and
-        `combine.c` reads each token's k rows from those buffers: without the per-expert padding copies, the
-        concatenation, the second gather and the separate multiply-adds the packed float32 block takes 0.95x the
-        time, the same bits (BENCHMARKS.md)."""
+        `combine.c` reads each token's k rows from those buffers (`kernels.combine_rows`): no per-expert padding
+        copies, no concatenation, no second gather and no separate multiply-adds, the same bits."""
         n = x.shape[0]
         dtype = torch.bfloat16 if path == "packed-bf16-loop" else torch.float32
         d = self.dispatch(x.to(dtype), r.experts, 1 if path == "int8-loop" else self.experts.row_multiple, counts)
@@ -195,21 +192,15 @@ class MoEBlock(nn.Module):
             parts = self.experts.int8_parts(d.tokens, sizes)
         else:  # one (sizes[e], d) buffer per expert, or None
             parts = self.experts.packed_parts(d.tokens, sizes, dtype)
-        lib = combiner()
         self._ran(path, x)
         bias = None if self.output_bias is None else self.output_bias.float()
-        if lib is None:  # torch ops: the buffers concatenated, then `combine`
+        if not (n and kernels.available("combine")):  # torch ops: the buffers concatenated, then `combine`
             out = self.combine(torch.cat([p for p in parts if p is not None] or [d.tokens[:0]]), d, r.gates, n).float()
             return out if bias is None else out + bias
         flat = r.experts.flatten()  # (N·k,) expert of each assignment
         starts = torch.tensor([0, *sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
         rows = self._slots(d) - starts[flat]  # (N·k,) row within its expert's buffer
-        addresses = torch.tensor([0 if p is None else p.data_ptr() for p in parts], dtype=torch.int64)  # (E,)
-        gates, out = r.gates.float().contiguous(), x.new_empty(n, x.shape[1], dtype=torch.float32)
-        lib.combine_rows(addresses.data_ptr(), flat.data_ptr(), rows.data_ptr(), gates.data_ptr(), n, self.top_k,
-                         x.shape[1], int(dtype == torch.bfloat16), None if bias is None else bias.data_ptr(),
-                         out.data_ptr())
-        return out
+        return kernels.combine_rows(parts, flat, rows, r.gates.float().contiguous(), bias)  # (N, d) float32
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
@@ -257,18 +248,6 @@ class MoEBlock(nn.Module):
         y = self.experts.padded(buf.view(E, C, dm)).reshape(E * C, -1).index_select(0, slot)  # (M_kept, d)
         kept = Dispatched(d.tokens[keep], d.source[keep], d.counts.clamp(max=C))
         return self._ran("capacity", self.combine(y, kept, r.gates, x.shape[0]))
-
-
-@functools.cache
-def combiner() -> ctypes.CDLL | None:
-    """`combine.c` compiled (`native.load`), typed; None where it cannot be built (`native.why_not("combine")`):
-    then the packed path combines with torch ops."""
-    lib = native.load("combine")
-    if lib is not None:
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.combine_rows.argtypes = [p, p, p, p, i, i, i, ctypes.c_int, p, p]
-        lib.combine_rows.restype = None
-    return lib
 
 
 def set_dispatch(module: nn.Module, mode: Dispatch) -> None:
