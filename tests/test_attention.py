@@ -1,18 +1,25 @@
 """Attention's precision rule (`moembed.model.attention`): a bf16 call in training (train mode or recorded by
 autograd), on a CPU without AMX, runs the kernel in float32 and equals float32 attention of the same bf16 inputs,
-forward and backward, under autocast too; elsewhere (inference, AMX, MOEMBED_NO_FASTPATH=1, float32 inputs) the
-input's dtype runs. The encoder records which one ran."""
+forward and backward, under autocast too; elsewhere (inference, AMX, every fast path off in the settings, float32
+inputs) the input's dtype runs. The encoder records which one ran."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moembed.model.attention as attention
+from moembed.model import cpu, kernels
 from moembed.model.attention import attend, compute_dtype
 from moembed.model.encoder import Encoder
 from moembed.model.presets import tiny_config
+from moembed.model.settings import Settings, apply
+
+ON = Settings("on")  # every fast path on wherever it exists, whatever this CPU's default
+attend_on = functools.partial(attend, settings=ON)
 
 
 def _inputs(B=3, H=2, T=7, hd=8, seed=0):
@@ -32,7 +39,7 @@ def _equation(q, k, v, mask):
 
 @pytest.fixture
 def upcast(monkeypatch):
-    monkeypatch.setattr(attention, "_UPCAST_PAYS", True)
+    monkeypatch.setattr(cpu, "amx_bf16", lambda: False)
     monkeypatch.delenv("MOEMBED_NO_FASTPATH", raising=False)
 
 
@@ -45,18 +52,16 @@ def test_compute_dtype_rule(monkeypatch, upcast):
         assert compute_dtype(bf * 1) == torch.bfloat16
     assert compute_dtype(torch.zeros(1)) == torch.float32
     assert compute_dtype(torch.zeros(1, dtype=torch.float16, requires_grad=True)) == torch.float16  # not measured
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
-    assert compute_dtype(bf) == torch.bfloat16
-    monkeypatch.delenv("MOEMBED_NO_FASTPATH")
-    monkeypatch.setattr(attention, "_UPCAST_PAYS", False)  # an AMX CPU
+    assert compute_dtype(bf, settings=Settings("off")) == torch.bfloat16
+    monkeypatch.setattr(cpu, "amx_bf16", lambda: True)  # an AMX CPU
     assert compute_dtype(bf) == torch.bfloat16
 
 
 def test_upcast_rule_follows_amx(monkeypatch):
-    monkeypatch.setattr(attention, "cpu_flags", lambda: {"amx_bf16": True, "avx512_bf16": True})
-    assert attention._upcast_pays() is False
-    monkeypatch.setattr(attention, "cpu_flags", lambda: {"amx_bf16": False, "avx512_bf16": True})
-    assert attention._upcast_pays() is True
+    monkeypatch.setattr(cpu, "flags", lambda: {"amx_bf16": True, "avx512_bf16": True})
+    assert Settings().upcast_attention() is False
+    monkeypatch.setattr(cpu, "flags", lambda: {"amx_bf16": False, "avx512_bf16": True})
+    assert Settings().upcast_attention() is True
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -81,7 +86,7 @@ def test_bf16_runs_in_float32_forward_and_backward(upcast, autocast):
 
 
 def test_native_dtype_where_upcast_does_not_pay(monkeypatch):
-    monkeypatch.setattr(attention, "_UPCAST_PAYS", False)
+    monkeypatch.setattr(cpu, "amx_bf16", lambda: True)
     q, k, v, mask = (t.bfloat16().requires_grad_() if t.dtype == torch.float32 else t for t in _inputs())
     out, dtype, _ = attend(q, k, v, mask)
     assert dtype == torch.bfloat16
@@ -122,12 +127,12 @@ def test_encoder_records_the_precision_and_matches_float32(upcast):
 
 # ---- compiled attention (CPU inference) --------------------------------------------------------------------------
 
-_no_compiler = pytest.mark.skipif(attention.compiled() is None, reason="no C compiler builds attention.c here")
+_no_compiler = pytest.mark.skipif(not kernels.available("attention"), reason="no C compiler builds attention.c here")
 
 
 def needs_compiled(test):
-    """A test of the compiled kernel: switched on (MOEMBED_NO_FASTPATH=0), so that it runs on every CPU with a C
-    compiler, AVX2-only ones included, where it is off by default."""
+    """A test of the compiled kernel: switched on (`ON`; MOEMBED_NO_FASTPATH=0 for encoders built in the test), so
+    that it runs on every CPU with a C compiler, AVX2-only ones included, where it is off by default."""
     return _no_compiler(pytest.mark.usefixtures("compiled_on")(test))
 
 
@@ -150,14 +155,14 @@ def test_compiled_attention_is_the_equation_on_real_rows_and_zero_elsewhere(hd, 
     lengths = torch.tensor([T, max(T // 2, 1), 1])
     mask = (torch.arange(T) < lengths[:, None])[:, None, None, :]
     with torch.no_grad():
-        out, dtype, kernel = attend(q, k, v, mask, lengths=lengths)
+        out, dtype, kernel = attend_on(q, k, v, mask, lengths=lengths)
     assert kernel == "compiled" and dtype == torch.float32 and out.shape == q.shape
     real = mask[:, 0, 0, :, None].expand(-1, -1, hd)  # (B, T, hd): the real query rows
     exact = _equation(q, k, v, mask)
     for h in range(2):
         assert (out[:, h] - exact[:, h])[real].abs().max().item() < 2e-6
         assert out[:, h][~real].eq(0).all()
-    torch_out, _, torch_kernel = attend(q, k, v, mask)  # no lengths: torch's kernel
+    torch_out, _, torch_kernel = attend_on(q, k, v, mask)  # no lengths: torch's kernel
     assert torch_kernel == "torch"
     assert (out - torch_out)[real[:, None].expand(-1, 2, -1, -1)].abs().max().item() < 2e-6
 
@@ -172,7 +177,7 @@ def test_compiled_softmax_shifts_by_the_largest_real_score(length):
     k = -torch.ones(1, 1, length, 32) * (120 * 32**0.5 / (4.0 * 32)) + 0.3 * torch.randn(1, 1, length, 32, generator=g)
     v = torch.randn(1, 1, length, 32, generator=g)
     with torch.no_grad():
-        out, _, kernel = attend(q, k, v, None, lengths=torch.tensor([length]))
+        out, _, kernel = attend_on(q, k, v, None, lengths=torch.tensor([length]))
     scores = (q @ k.transpose(-1, -2)) * 32**-0.5
     assert kernel == "compiled" and scores.max() < -100
     assert (out - _equation(q, k, v, torch.ones(1, 1, 1, length, dtype=torch.bool))).abs().max().item() < 2e-5
@@ -194,8 +199,8 @@ def test_compiled_attention_does_not_depend_on_the_padding():
     q, k, v = _qkv_views(2, 40, 12, 32, seed=3)
     lengths = torch.tensor([40, 13])
     with torch.no_grad():
-        batched, _, _ = attend(q, k, v, None, lengths=lengths)
-        alone, _, _ = attend(q[1:, :, :13], k[1:, :, :13], v[1:, :, :13], None, lengths=lengths[1:])
+        batched, _, _ = attend_on(q, k, v, None, lengths=lengths)
+        alone, _, _ = attend_on(q[1:, :, :13], k[1:, :, :13], v[1:, :, :13], None, lengths=lengths[1:])
     assert torch.equal(alone, batched[1:, :, :13])
 
 
@@ -205,26 +210,23 @@ def test_compiled_attention_only_for_inference_in_float32_or_bf16(monkeypatch):
     lengths = torch.tensor([9, 4])
     mask = (torch.arange(9) < lengths[:, None])[:, None, None, :]
     with torch.no_grad():
-        assert attend(q, k, v, mask, lengths=lengths)[2] == "compiled"
-        assert attend(q, k, v, mask, training=True, lengths=lengths)[2] == "torch"  # GradCache's first pass
-        assert attend(q, k, v, mask, dropout_p=0.1, lengths=lengths)[2] == "torch"
-        out16, dtype16, kernel16 = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, lengths=lengths)
+        assert attend_on(q, k, v, mask, lengths=lengths)[2] == "compiled"
+        assert attend_on(q, k, v, mask, training=True, lengths=lengths)[2] == "torch"  # GradCache's first pass
+        assert attend_on(q, k, v, mask, dropout_p=0.1, lengths=lengths)[2] == "torch"
+        out16, dtype16, kernel16 = attend_on(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, lengths=lengths)
         assert kernel16 == "compiled" and dtype16 == torch.float32 and out16.dtype == torch.bfloat16  # widened
         want = _equation(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), mask)
         torch.testing.assert_close(out16.double()[0], want[0], atol=1e-4, rtol=2**-8)  # float32's, rounded once
-        assert attend(q.half(), k.half(), v.half(), mask, lengths=lengths)[2] == "torch"
+        assert attend_on(q.half(), k.half(), v.half(), mask, lengths=lengths)[2] == "torch"
         q16, k16, v16 = _qkv_views(2, 9, 2, 16)
-        assert attend(q16, k16, v16, mask, lengths=lengths)[2] == "torch"  # heads of 16: not specialised
-        monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
-        assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"
-        monkeypatch.delenv("MOEMBED_NO_FASTPATH")  # the default: where torch runs AVX-512 kernels
-        monkeypatch.setattr(attention, "_COMPILED_PAYS", True)
-        assert attend(q, k, v, mask, lengths=lengths)[2] == "compiled"
-        monkeypatch.setattr(attention, "_COMPILED_PAYS", False)  # AVX2 only: off unless asked for
-        assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"
-        monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")
-        assert attend(q, k, v, mask, lengths=lengths)[2] == "compiled"
-    assert attend(q, k, v, mask, lengths=lengths)[2] == "torch"  # gradient enabled
+        assert attend_on(q16, k16, v16, mask, lengths=lengths)[2] == "torch"  # heads of 16: not specialised
+        assert attend(q, k, v, mask, lengths=lengths, settings=Settings("off"))[2] == "torch"
+        monkeypatch.setattr(cpu, "packing_pays", lambda level=None: True)  # "auto": where torch runs AVX-512 kernels
+        assert attend(q, k, v, mask, lengths=lengths, settings=Settings("auto"))[2] == "compiled"
+        monkeypatch.setattr(cpu, "packing_pays", lambda level=None: False)  # AVX2 only: off unless asked for
+        assert attend(q, k, v, mask, lengths=lengths, settings=Settings("auto"))[2] == "torch"
+        assert attend_on(q, k, v, mask, lengths=lengths)[2] == "compiled"
+    assert attend_on(q, k, v, mask, lengths=lengths)[2] == "torch"  # gradient enabled
 
 
 @needs_compiled
@@ -267,9 +269,7 @@ def test_encoder_takes_compiled_attention_for_right_padding_only(family):
         assert all(layer.last_attention_kernel == expected for layer in enc.layers)
         enc(ids, left)
         assert all(layer.last_attention_kernel == "torch" for layer in enc.layers)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("MOEMBED_NO_FASTPATH", "1")
-            slow = enc(ids, right).packed_hidden
+        slow = apply(enc, Settings("off"))(ids, right).packed_hidden
         assert all(layer.last_attention_kernel == "torch" for layer in enc.layers)
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-5)
     enc.train()

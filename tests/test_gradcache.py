@@ -76,10 +76,11 @@ def test_cached_equals_plain_in_float32_with_the_cpu_fast_path(make_tiny, moe, m
     the plain kernels (packing weights that the optimizer changes every step would cost more than it saves), so the
     cached and replayed embeddings agree and loss and gradients match the plain step. The same model in eval mode
     under no_grad does take the packed path, so the switch is live in this test."""
-    from moembed.model.linear import Linear, fastpath_enabled
+    from moembed.model.linear import Linear
+    from moembed.model.settings import Settings
 
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # packing on, whatever this CPU's default
-    if not fastpath_enabled():
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # packing on, whatever this CPU's default (read when built)
+    if not Settings("on").packing():
         pytest.skip("this torch build has no oneDNN packed linear")
     packed, real = [], Linear._packed_weight
     monkeypatch.setattr(Linear, "_packed_weight", lambda self, *a: packed.append(1) or real(self, *a))

@@ -1,11 +1,11 @@
 """`Linear`'s CPU inference paths: packed float32 equals `F.linear` and runs only at inference (never in a training
 pass, GradCache's no-grad pass included); dynamic int8 stays close to float32, quantises each row on its own, and
-covers every linear layer and MoE expert. Each test asserts the path that actually ran (`last_path`)."""
+covers every linear layer and MoE expert. Each test asserts the path that actually ran (`last_path`); the layers'
+`Settings` say which paths they may take."""
 
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -13,20 +13,20 @@ import torch
 import torch.nn.functional as F
 
 import moembed.model.linear as linear
-from moembed.model import rowquant
+from moembed.model import cpu, kernels
 from moembed.model.config import MoEConfig
 from moembed.model.linear import (
     Linear,
     bf16_is_fast,
-    fastpath_enabled,
     int8_available,
     int8_kernel,
     int8_linear,
     pack_int8,
-    packing_pays,
-    quantize_int8,
 )
+from moembed.errors import MoembedError
 from moembed.model.moe import MoEBlock
+from moembed.model.quantize import is_int8, quantize_int8
+from moembed.model.settings import Settings, UsesSettings, apply
 
 @pytest.fixture(scope="module")
 def sentences() -> list[str]:
@@ -41,38 +41,42 @@ def sentences() -> list[str]:
 
 @pytest.fixture
 def packing_on(monkeypatch):
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # on wherever the build has it, whatever this CPU's default
+    # on wherever the build has it, whatever this CPU's default: for layers built alone, and for encoders
+    monkeypatch.setattr(UsesSettings, "settings", Settings("on"))
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")
 
 
 def packed_only(test):
     """A test of the packed path: packing switched on; skipped only where this torch build lacks oneDNN."""
     test = pytest.mark.usefixtures("packing_on")(test)
-    return pytest.mark.skipif(not linear._HAS_PACKED, reason="this torch build has no oneDNN packed linear")(test)
+    return pytest.mark.skipif(not cpu.has_packed(), reason="this torch build has no oneDNN packed linear")(test)
 int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build has no x86 quantised kernels")
 # oneDNN's int8 kernel is correct only where VNNI sums u8 x s8 products into 32 bits (`int8_kernel`): its tests run
 # on such CPUs (Zen 4 and 5, AMX Xeons), fbgemm's everywhere.
 onednn_int8_only = pytest.mark.skipif(int8_kernel() != "onednn", reason="no VNNI or no oneDNN int8 kernel here")
 KERNELS = [pytest.param("onednn", marks=onednn_int8_only), "fbgemm"]
-COMPILED = rowquant.load() is not None
+COMPILED = kernels.available("rowquant")
 
 
 @pytest.fixture(params=[pytest.param("compiled", marks=pytest.mark.skipif(not COMPILED, reason="no C compiler")),
                         "torch"])
 def rows(request, monkeypatch):
-    """The int8 path's per-row work: `rowquant`'s compiled loops (counted, so that tests know they ran) or torch ops."""
+    """The int8 path's per-row work: the compiled loops (counted, so that tests know they ran) or torch ops (the
+    compiled loops switched off in the layers' settings); (mode, calls, `fused` for `int8_linear`)."""
     calls = []
     if request.param == "torch":
-        monkeypatch.setattr(linear, "fused_rows", lambda: None)
+        monkeypatch.setattr(UsesSettings, "settings", Settings("off"))
+        monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
     else:
         for name in ("quantize_rows", "rescale_rows"):
-            fn = getattr(rowquant, name)
-            monkeypatch.setattr(rowquant, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
-    return request.param, calls
+            fn = getattr(kernels, name)
+            monkeypatch.setattr(kernels, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    return request.param, calls, request.param == "compiled"
 
 
 def _ran(rows, kernel: str = "onednn") -> None:
     """The compiled loops ran where asked for (the quantiser only with oneDNN's kernel); torch ops ran otherwise."""
-    mode, calls = rows
+    mode, calls, _ = rows
     if mode == "torch":
         assert not calls
     else:
@@ -122,34 +126,49 @@ def test_repacks_after_weight_update():
     assert lin.last_path == "packed"
 
 
-@pytest.mark.skipif(not linear._HAS_PACKED, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.skipif(not cpu.has_packed(), reason="this torch build has no oneDNN packed linear")
 def test_packing_is_the_default_only_where_it_pays(monkeypatch):
-    # Packed weights are about 2x the plain call where torch runs AVX-512 kernels and slower on AVX2 only.
-    assert packing_pays("AVX512") and not packing_pays("AVX2") and not packing_pays("DEFAULT")
+    # Packed weights beat the plain call where torch runs AVX-512 kernels and lose on AVX2 only.
+    assert cpu.packing_pays("AVX512") and not cpu.packing_pays("AVX2") and not cpu.packing_pays("DEFAULT")
     lin, x = Linear(8, 8).eval(), torch.randn(3, 8)
-    monkeypatch.delenv("MOEMBED_NO_FASTPATH", raising=False)
+    assert lin.settings == Settings("auto")
     for pays, path in ((False, "plain"), (True, "packed")):
-        monkeypatch.setattr(linear, "_PACKING_PAYS", pays)
+        monkeypatch.setattr(cpu, "packing_pays", lambda level=None, pays=pays: pays)
         with torch.no_grad():
             lin(x)
         assert lin.last_path == path
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")  # off even where it pays
-    assert not fastpath_enabled()
-    monkeypatch.setattr(linear, "_PACKING_PAYS", False)
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # on even where it does not
-    assert fastpath_enabled()
-    with linear.fastpath(False):  # the same switch for a block, restored after it
-        assert not fastpath_enabled()
-    assert os.environ["MOEMBED_NO_FASTPATH"] == "0"
+    apply(lin, Settings("off"))  # off even where it pays
+    with torch.no_grad():
+        lin(x)
+    assert lin.last_path == "plain"
+    monkeypatch.setattr(cpu, "packing_pays", lambda level=None: False)
+    apply(lin, Settings("on"))  # on even where it does not
+    with torch.no_grad():
+        lin(x)
+    assert lin.last_path == "packed"
 
 
-def test_training_uses_autograd_path(monkeypatch):
+def test_the_user_switch_is_read_once_when_the_model_is_built(monkeypatch, make_tiny):
+    # MOEMBED_NO_FASTPATH becomes the encoder's settings when it is built; changing it later changes nothing, and
+    # nothing here writes the environment.
+    for value, switch in (("", "auto"), ("0", "on"), ("1", "off")):
+        monkeypatch.setenv("MOEMBED_NO_FASTPATH", value)
+        enc = make_tiny("bert").encoder
+        assert {m.settings for m in enc.modules() if isinstance(m, UsesSettings)} == {Settings(switch)}
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")
+    assert enc.settings == Settings("off")
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "yes")
+    with pytest.raises(MoembedError, match="MOEMBED_NO_FASTPATH"):
+        Settings.from_env()
+    assert not hasattr(linear, "fastpath")  # the old process-wide switch is gone
+
+
+def test_training_uses_autograd_path():
     lin = Linear(8, 4)
     x = torch.randn(3, 8, requires_grad=True)
     lin(x).sum().backward()
     assert lin.last_path == "plain" and lin.weight.grad is not None and x.grad is not None
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
-    assert not fastpath_enabled()
+    apply(lin, Settings("off"))
     with torch.no_grad():
         lin.eval()(x)
     assert lin.last_path == "plain"
@@ -163,7 +182,7 @@ def test_no_grad_training_pass_does_not_pack():
     with torch.no_grad():
         lin(torch.randn(5, 16))
     assert lin.last_path == "plain"
-    assert not any(k.startswith("packed") for k in lin.__dict__.get("_weight_cache", {}))
+    assert not any(k.startswith("packed") for k in lin.weight_cache)
 
 
 @packed_only
@@ -171,9 +190,9 @@ def test_a_used_model_deep_copies_without_its_packed_weights():
     lin = Linear(8, 8).eval()
     with torch.no_grad():
         lin(torch.randn(2, 8))
-    assert "packed-torch.float32" in lin.__dict__["_weight_cache"]
+    assert "packed-torch.float32" in lin.weight_cache
     twin = copy.deepcopy(lin)  # oneDNN's packed tensors cannot be copied: the cache is rebuilt instead
-    assert not twin.__dict__["_weight_cache"] and torch.equal(twin.weight, lin.weight)
+    assert not twin.weight_cache and torch.equal(twin.weight, lin.weight)
 
 
 # ---- int8 ------------------------------------------------------------------------------------------------------
@@ -193,18 +212,19 @@ def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel, 
     x, w, b = _with_outliers(64, 96), torch.randn(80, 96) * 0.05, torch.randn(80)
     ref = F.linear(x, w, b)
     amax = x.abs().amax(0)
-    with_outliers = int8_linear(x, pack_int8(w, b, amax, kernel))
-    without = int8_linear(x, pack_int8(w, b, None, kernel))
+    lib = rows[2]
+    with_outliers = int8_linear(x, pack_int8(w, b, amax, kernel), fused=lib)
+    without = int8_linear(x, pack_int8(w, b, None, kernel), fused=lib)
     cos = lambda y: F.cosine_similarity(y, ref).min().item()  # noqa: E731
     assert cos(with_outliers) > 0.999
     assert cos(with_outliers) > cos(without)  # the outlier channels are what int8 alone gets wrong
     # Only the outlier channels, in float32: exact up to float32 rounding.
     only = torch.zeros_like(x)
     only[:, [3, 17]] = x[:, [3, 17]]
-    got = int8_linear(only, pack_int8(w, b, amax, kernel))
+    got = int8_linear(only, pack_int8(w, b, amax, kernel), fused=lib)
     torch.testing.assert_close(got, F.linear(only, w, b), atol=1e-4, rtol=1e-4)
     # GELU after the rescale (fused into it where compiled): exact GELU of the product, not an approximation.
-    gelu = int8_linear(x, pack_int8(w, b, amax, kernel), gelu=True)
+    gelu = int8_linear(x, pack_int8(w, b, amax, kernel), gelu=True, fused=lib)
     torch.testing.assert_close(gelu, F.gelu(with_outliers), atol=1e-5, rtol=1e-5)
     _ran(rows, kernel)
 
@@ -240,7 +260,7 @@ def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkey
     calls = []
     kernel = linear._onednn_qlinear
     monkeypatch.setattr(linear, "_onednn_qlinear", lambda *a: calls.append(1) or kernel(*a))
-    got = int8_linear(x, w)
+    got = int8_linear(x, w, fused=rows[2])
     assert calls == [1]  # the oneDNN kernel is what ran
 
     keep = torch.ones(96, dtype=torch.bool)
@@ -275,9 +295,10 @@ def test_int8_kernel_needs_vnni():
     # Full-range u8 x s8 products overflow 16-bit pair sums: oneDNN's kernel only where VNNI or AMX sum into 32 bits.
     flags = {"avx2": True, "avx512_f": True}
     assert int8_kernel(flags) == "fbgemm"
-    expected = "onednn" if linear._HAS_ONEDNN_INT8 else "fbgemm"
+    expected = "onednn" if cpu.onednn_int8() else "fbgemm"
     for vnni in ("avx512_vnni", "avx_vnni", "amx_int8"):
-        assert int8_kernel({**flags, vnni: True}) == expected
+        assert int8_kernel({**flags, vnni: True}, Settings()) == expected
+        assert Settings("off").int8_kernel({**flags, vnni: True}) == "fbgemm"  # every fast path off: fbgemm
     with pytest.raises(ValueError, match="int8 kernel"):
         quantize_int8(torch.nn.Linear(2, 2), kernel="vnni")
 
@@ -286,11 +307,11 @@ def test_int8_kernel_needs_vnni():
 def test_onednn_int8_is_refused_without_vnni(make_tiny, monkeypatch):
     # Asked for by name on a CPU without VNNI, oneDNN's kernel would overflow silently: refused, and nothing switched.
     emb = make_tiny("bert")
-    monkeypatch.setattr(linear, "_VNNI", False)
-    assert int8_kernel() == "fbgemm"
+    monkeypatch.setattr(cpu, "vnni", lambda: False)
+    assert int8_kernel(settings=Settings()) == "fbgemm"
     with pytest.raises(RuntimeError, match="VNNI"):
         quantize_int8(emb, kernel="onednn")
-    assert not any(m.__dict__.get("int8") for m in emb.modules())
+    assert not is_int8(emb)
 
 
 @int8_only
@@ -302,11 +323,12 @@ def test_int8_rows_are_quantised_each_on_its_own(kernel, rows):
     x[5:] *= 100.0
     g = torch.Generator().manual_seed(1)
     w = pack_int8(torch.randn(32, 64, generator=g) * 0.1, torch.randn(32, generator=g), x.abs().amax(0), kernel)
-    batched = int8_linear(x, w)
+    batched = int8_linear(x, w, fused=rows[2])
     for i in range(10):
         # float32 rounding only (the outlier channels' float GEMM runs other kernels for 1 row than for 10); a
         # grid shared with the large rows would be 100x coarser for the small ones, an error of whole percents
-        torch.testing.assert_close(int8_linear(x[i : i + 1], w), batched[i : i + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(int8_linear(x[i : i + 1], w, fused=rows[2]), batched[i : i + 1], atol=1e-5,
+                                   rtol=1e-5)
     _ran(rows, kernel)
 
 
@@ -324,13 +346,13 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, ke
     assert all(m.last_path == ("int8-fused" if rows[0] == "compiled" else "int8") for m in linears)
     assert all(b.last_dispatch == "int8-loop" for b in blocks)
     _ran(rows, kernel)
-    import moembed.model.moe as moe  # the experts' int8 outputs combined by combine.c, as torch ops would
-    assert moe.combiner() is not None
+    # the experts' int8 outputs combined by combine.c, as torch ops would
+    assert kernels.available("combine")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe, "combiner", lambda: None)
+        mp.setattr(kernels, "available", lambda name: name != "combine")
         np.testing.assert_allclose(q.encode(sentences[:16]), got, atol=1e-6)
-    assert all(m.__dict__.get("int8_amax") is not None for m in linears)  # outlier channels were measured
-    packed = [m.__dict__["_weight_cache"]["int8"][1] for m in linears + [b.experts for b in blocks]]
+    assert all(m.int8.amax is not None for m in linears)  # outlier channels were measured
+    packed = [m.weight_cache["int8"][1] for m in linears + [b.experts for b in blocks]]
     assert {w.kernel for ws in packed for w in ws} == {kernel}  # every layer and expert ran the kernel asked for
     # Alone or batched, the same text gets (up to rounding) the same embedding.
     alone = np.stack([q.encode([t])[0] for t in sentences[:6]])
@@ -354,7 +376,7 @@ def test_int8_minilm_is_close_to_float32(minilm, sentences):
 # ---- bf16 ------------------------------------------------------------------------------------------------------
 
 
-bf16_native = pytest.mark.skipif(not linear.bf16_packing_enabled(),
+bf16_native = pytest.mark.skipif(not Settings().bf16_packing(),
                                  reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
 
 
@@ -387,13 +409,13 @@ def test_bf16_packing_only_at_inference(monkeypatch):
             assert lin.last_path == "plain"
             lin.eval()(x)
             assert lin.last_path == "packed-bf16"
-            monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
+            apply(lin, Settings("off"))
             lin(x)
             assert lin.last_path == "plain"
 
 
 def test_bf16_packing_is_off_where_bf16_is_emulated(monkeypatch):
-    monkeypatch.setattr(linear, "_BF16_NATIVE", False)
+    monkeypatch.setattr(cpu, "bf16_native", lambda: False)
     lin = Linear(16, 16).eval()
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         lin(torch.randn(3, 16))

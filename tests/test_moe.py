@@ -15,7 +15,8 @@ from moembed.errors import MoembedError
 from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_fractions
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
-from moembed.model.linear import bf16_packing_enabled, fastpath_enabled
+from moembed.model import cpu, kernels
+from moembed.model.settings import Settings, apply
 from moembed.model.experts import grouped_support
 from moembed.model.moe import MoEBlock, set_dispatch
 from moembed.model.convert.upcycle import upcycle
@@ -124,14 +125,14 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
     enc.eval()
     with torch.no_grad():  # inference takes other paths (oneDNN-packed expert weights on CPU, where switched on)
         unpacked = "grouped" if grouped_support(torch.device("cpu"), torch.float32).preferred else "loop"
-        for switch in ("0", "1"):  # packing on wherever the build has it; off
-            monkeypatch.setenv("MOEMBED_NO_FASTPATH", switch)
+        for switch in ("on", "off"):  # packing on wherever the build has it; off
+            apply(enc, Settings(switch))
             for mode, path, plain in (("auto", "packed-loop", unpacked), ("loop", "packed-loop", "loop"),
                                       ("grouped", "grouped", "grouped")):
                 set_dispatch(enc, mode)
                 out = enc(ids, mask).last_hidden_state
                 torch.testing.assert_close(out, ref_out.last_hidden_state, rtol=1e-5, atol=1e-5)
-                assert dispatches(enc) == {path if fastpath_enabled() else plain}
+                assert dispatches(enc) == {path if Settings(switch).packing() else plain}
 
 
 def test_bf16_autocast_grouped_matches_loop():
@@ -181,11 +182,11 @@ def test_bf16_grouped_training_pads_each_expert_and_keeps_values_and_gradients(m
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     blk.experts.row_multiple = 8
     assert blk.experts.grouped_rows(x0.bfloat16()) == 8 and blk.experts.grouped_rows(x0) == 1  # float32: never
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
+    apply(blk, Settings("off"))
     assert blk.experts.grouped_rows(x0.bfloat16()) == 1  # every CPU fast path off
 
 
-@pytest.mark.skipif(not bf16_packing_enabled(), reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
+@pytest.mark.skipif(not Settings().bf16_packing(), reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
 def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch():
     torch.manual_seed(3)
     blk = MoEBlock(block_config("gelu", True, num_experts=8)).eval()
@@ -212,15 +213,14 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     reference, output bias included, and a token's output the same alone as in its batch."""
     import contextlib
 
-    import moembed.model.moe as moe
-
-    if not (bf16_packing_enabled() if bf16 else fastpath_enabled()):
+    if not (Settings("on").bf16_packing() if bf16 else Settings("on").packing()):
         pytest.skip("no oneDNN-packed kernels for this dtype on this CPU / torch build")
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     path, tol = ("packed-bf16-loop", 3e-2) if bf16 else ("packed-loop", 1e-5)
 
     torch.manual_seed(6)
-    blk = MoEBlock(block_config("gelu", True, num_experts=8, top_k=top_k, output_bias=True)).eval()
+    blk = apply(MoEBlock(block_config("gelu", True, num_experts=8, top_k=top_k, output_bias=True)).eval(),
+                Settings("on"))  # packed wherever this torch build has it, whatever this CPU's default
     with torch.no_grad():
         for p in (blk.experts.fc1_bias, blk.experts.fc2_bias, blk.output_bias):
             p.normal_()
@@ -228,27 +228,20 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     x = torch.randn(45, 32)
     calls = []
 
-    class Counted:  # the compiled library, its calls counted
-        def __init__(self, lib):
-            self.lib = lib
-
-        def combine_rows(self, *args):
-            calls.append(args[4])  # N
-            return self.lib.combine_rows(*args)
-
-    lib = moe.combiner()
-    assert lib is not None, f"combine.c was not built: {moe.native.why_not.get('combine')}"
+    assert kernels.available("combine"), f"combine.c was not built: {kernels.why_not('combine')}"
+    combine_rows = kernels.combine_rows  # its calls counted
+    monkeypatch.setattr(kernels, "combine_rows", lambda *a: calls.append(a[3].shape[0]) or combine_rows(*a))
     with torch.inference_mode():
         blk.dispatch_mode = "naive"
         ref = blk(x)[0]
         blk.dispatch_mode = "auto"
-        monkeypatch.setattr(moe, "combiner", lambda: Counted(lib))
         with amp:
             got = blk(x)[0]
             assert blk.last_dispatch == path and calls == [45]
             alone = torch.cat([blk(x[i : i + 1])[0] for i in range(6)])
-            monkeypatch.setattr(moe, "combiner", lambda: None)  # no C compiler: torch ops
-            plain = blk(x)[0]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kernels, "available", lambda name: name != "combine")  # no C compiler: torch ops
+                plain = blk(x)[0]
             assert blk.last_dispatch == path and calls == [45] + [1] * 6
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
@@ -256,7 +249,6 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     if bf16:  # combine.c sums the bf16 rows in float32, the torch ops in bf16
         assert (got - ref).abs().max() <= (plain - ref).abs().max()
     blk.experts.row_multiple = 1  # no padding (as benchmarks/moe.py's unpadded variant)
-    monkeypatch.setattr(moe, "combiner", lambda: Counted(lib))
     with torch.inference_mode(), amp:
         unpadded = blk(x)[0]
     assert blk.last_dispatch == path and len(calls) == 8

@@ -1,5 +1,6 @@
 """Which MoE dispatch runs: torch._grouped_mm's capability is checked once, an unusable kernel falls back to the
-expert loop (never an error), the path taken is recorded (`last_dispatch`) and logged once, and the bf16 copies
+expert loop (never an error), the path taken is recorded (`last_dispatch`) and the one a loaded model takes is in
+its backend record (`moembed.model.backends`, logged once at load), and the bf16 copies
 of the expert weights are made once per weight version with gradients that reach the float32 weights."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from moembed.model import backends
 from moembed.model import experts as experts_mod
 from moembed.model import moe as moe_mod
 from moembed.model.config import MoEConfig
@@ -19,12 +21,10 @@ from moembed.model.presets import tiny_config
 
 @pytest.fixture
 def fresh_dispatch_state():
-    """Forget the capability cache and the dispatch messages already logged, before and after the test."""
+    """Forget the capability cache, before and after the test."""
     experts_mod._grouped_support.cache_clear()
-    moe_mod._ANNOUNCED.clear()
     yield
     experts_mod._grouped_support.cache_clear()
-    moe_mod._ANNOUNCED.clear()
 
 
 def block(bias: bool = True, seed: int = 0) -> MoEBlock:
@@ -37,20 +37,28 @@ def block(bias: bool = True, seed: int = 0) -> MoEBlock:
     return blk
 
 
-def messages(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("MoE dispatch")]
+def moe_record(blk: MoEBlock, caplog) -> backends.LayerPath:
+    """The MoE entry of the backend record of a model holding `blk` (as `Embedder.load` makes and logs it)."""
+    with caplog.at_level(logging.INFO, logger="moembed"):
+        record = backends.use(torch.nn.Sequential(blk), "torch")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend torch")]
+    assert f"moe {record.path('moe')} ({record.why('moe')})" in line
+    return record._get("moe")
 
 
-def test_grouped_runs_where_supported_and_is_logged_once(fresh_dispatch_state, caplog):
+def test_grouped_runs_where_supported_and_is_recorded_once(fresh_dispatch_state, caplog):
     assert grouped_support(torch.device("cpu"), torch.float32).usable  # torch 2.13 has CPU grouped matmuls
     blk = block()
+    moe = moe_record(blk, caplog)
+    assert moe.path == "grouped" and "grouped matmuls" in moe.why
     blk.dispatch_mode = "grouped"
     x = torch.randn(20, 32, requires_grad=True)
     with caplog.at_level(logging.INFO, logger="moembed"):
+        caplog.clear()
         for _ in range(3):
             blk(x)[0].sum().backward()
             assert blk.last_dispatch == "grouped"
-    assert len(messages(caplog)) == 1 and "grouped matmuls" in messages(caplog)[0]
+    assert not caplog.records  # the forward passes log nothing
 
 
 def test_capability_probed_first_under_inference_mode_is_not_mistaken_for_unusable(fresh_dispatch_state):
@@ -87,12 +95,12 @@ def test_unusable_grouped_mm_falls_back_to_the_loop(fresh_dispatch_state, caplog
     assert not support.usable
     for mode in ("grouped", "auto"):
         blk.dispatch_mode = mode
-        with caplog.at_level(logging.INFO, logger="moembed"):
-            y = blk(x)[0]
+        y = blk(x)[0]
         assert blk.last_dispatch == "loop"
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
-    (why,) = messages(caplog)
-    assert "expert loop instead of grouped matmuls" in why
+    moe = moe_record(blk, caplog)
+    why = moe.why
+    assert moe.path == "loop" and "expert loop instead of grouped matmuls" in why
     assert ("failed" in why) if failure == "raises" else ("has no torch._grouped_mm" in why)
 
 
@@ -131,18 +139,18 @@ def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float
         return {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
 
     first = step()
-    cast = blk.experts.__dict__["_weight_cache"]["cast"][1][0]
+    cast = blk.experts.weight_cache["cast"][1][0]
     second = step()
-    assert blk.experts.__dict__["_weight_cache"]["cast"][1][0] is cast  # reused, not cast again
+    assert blk.experts.weight_cache["cast"][1][0] is cast  # reused, not cast again
     for name, g in first.items():
         assert g.dtype == torch.float32 and torch.equal(g, second[name]), name
-    blk.experts.__dict__["_weight_cache"].clear()  # a fresh cast gives the same gradients
+    blk.experts.weight_cache.clear()  # a fresh cast gives the same gradients
     for name, g in step().items():
         assert torch.equal(g, first[name]), name
     with torch.no_grad():  # an optimizer step bumps the version: the cast is made again
         blk.experts.fc1_weight.mul_(2.0)
     step()
-    fresh = blk.experts.__dict__["_weight_cache"]["cast"][1][0]
+    fresh = blk.experts.weight_cache["cast"][1][0]
     assert torch.equal(fresh, blk.experts.fc1_weight.detach().to(torch.bfloat16))
 
 
@@ -157,7 +165,7 @@ def test_passes_of_a_step_share_one_cast_node_and_gradients_equal_separate_casts
         total = 0
         for x in xs:
             if not share:
-                blk.experts.__dict__.get("_weight_cache", {}).pop("cast-node", None)
+                blk.experts.weight_cache.pop("cast-node", None)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 y = blk(x)[0]
             assert blk.last_dispatch == "grouped"

@@ -7,21 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moembed.model.attention as attention
+from moembed.errors import MoembedError
+
 import moembed.model.linear as linear
-import moembed.model.moe as moe
-from moembed.model import native, rowquant
+from moembed.model import kernels, native
+from moembed.model.quantize import quantize_int8
+from moembed.model.settings import Settings
 
 COMPILED = native.load("rowquant") is not None and native.load("attention") is not None
-needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no C compiler builds the loops here: {native.why_not}")
+needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no C compiler builds the loops here: {native.why_not('rowquant')}")
 
 
 def _clear():
-    native.load.cache_clear()
-    rowquant.load.cache_clear()
-    attention.compiled.cache_clear()
-    moe.combiner.cache_clear()
-    native.why_not.clear()
+    native.built.cache_clear()
+    kernels._lib.cache_clear()
 
 
 @pytest.fixture
@@ -43,13 +42,15 @@ def counted_builds(monkeypatch):
 
 def test_without_a_compiler_int8_and_attention_run_torch_ops(fresh_cache, monkeypatch, make_tiny):
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    assert rowquant.load() is None and attention.compiled() is None and moe.combiner() is None
-    assert rowquant.why_not() == "no C compiler (no-such-compiler-here) on PATH"
-    assert native.why_not["combine"] == rowquant.why_not()  # named in the MoE dispatch's log line
-    assert "per-row quantisation in torch ops (no C compiler" in linear.int8_path()
+    assert not any(kernels.available(name) for name in ("rowquant", "attention", "combine"))
+    assert kernels.why_not("rowquant") == "no C compiler (no-such-compiler-here) on PATH"
+    assert kernels.why_not("combine") == kernels.why_not("rowquant")
+    with pytest.raises(MoembedError, match="rowquant.c is not built here"):  # called anyway: refused, not a crash
+        kernels.rescale_rows(torch.ones(2, 3), torch.ones(2, 1), torch.zeros(3), False)
+    assert "per-row quantisation in torch ops (no C compiler" in linear.int8_path(Settings())
     emb = make_tiny("bert")
     if linear.int8_available():
-        linear.quantize_int8(emb)
+        quantize_int8(emb)
     assert emb.encode(["a text", "another, longer text"]).shape[0] == 2
     layer = emb.encoder.layers[0]
     assert layer.last_attention_kernel == "torch"
@@ -64,7 +65,7 @@ def test_a_failing_build_is_reported_and_leaves_no_file(fresh_cache, monkeypatch
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     assert native.load("rowquant") is None
-    assert "failed on rowquant.c" in native.why_not["rowquant"] and "no vectors today" in native.why_not["rowquant"]
+    assert "failed on rowquant.c" in native.why_not("rowquant") and "no vectors today" in native.why_not("rowquant")
     assert list(fresh_cache.iterdir()) == []  # the temporary file was removed, no library was published
 
 
@@ -73,7 +74,7 @@ def test_built_once_then_loaded_from_the_cache(fresh_cache, counted_builds):
     assert native.load("rowquant") is not None and native.load("attention") is not None
     assert sorted(fresh_cache.iterdir()) == sorted(counted_builds)  # final names only, no temporary left
     assert [p.name.split("-")[0] for p in counted_builds] == ["rowquant", "attention"]
-    native.load.cache_clear()
+    native.built.cache_clear()
     assert native.load("rowquant") is not None and len(counted_builds) == 2  # found in the cache, not rebuilt
 
 
@@ -82,9 +83,8 @@ def test_a_broken_cached_file_is_rebuilt(fresh_cache, counted_builds):
     target = native.library_path("rowquant", native.compiler())
     target.parent.mkdir(parents=True)
     target.write_bytes(b"\x7fELF cut short")  # a copy cut short, a disk that filled up
-    lib = rowquant.load()
-    assert lib is not None and counted_builds == [target]
-    y = rowquant.rescale_rows(lib, torch.ones(2, 3), torch.full((2, 1), 2.0), torch.zeros(3), False)
+    assert kernels.available("rowquant") and counted_builds == [target]
+    y = kernels.rescale_rows(torch.ones(2, 3), torch.full((2, 1), 2.0), torch.zeros(3), False)
     assert y.eq(2.0).all()
 
 

@@ -1,4 +1,4 @@
-"""`moembed.model.rowquant`: the compiled per-row loops of the int8 path against the torch ops they replace: codes
+"""`moembed.model.kernels`' rowquant.c: the compiled per-row loops of the int8 path against the torch ops they replace: codes
 to the bit, rescale and GELU to float32 rounding. (Their build: tests/test_native.py.)"""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import moembed.model.linear as linear
-from moembed.model import rowquant
+from moembed.model import kernels
+from moembed.model.settings import Settings
 
-COMPILED = rowquant.load() is not None
-needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no compiled kernels here: {rowquant.why_not()}")
+COMPILED = kernels.available("rowquant")
+needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no compiled kernels here: {kernels.why_not('rowquant')}")
 
 
 def _rows(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -30,7 +31,7 @@ def test_quantize_rows_equals_torch_ops_to_the_bit(shape):
     x = _rows(max(shape[0], 3), shape[1])[: shape[0]]
     outliers = torch.tensor([1, 30])
     keep = torch.ones(shape[1]).index_fill_(0, outliers, 0.0)
-    codes, m, xo = rowquant.quantize_rows(rowquant.load(), x, keep, outliers, linear._ONEDNN_INV_STEP, 128.0)
+    codes, m, xo = kernels.quantize_rows(x, keep, outliers, linear._ONEDNN_INV_STEP, 128.0)
     # torch: the range outside the outlier channels, the scaled rows, torch's quantiser on the fixed grid
     ref_m = x.abs().index_fill(1, outliers, 0.0).amax(1, keepdim=True).clamp_min(1e-12)
     xs = x / ref_m
@@ -53,10 +54,10 @@ def test_rescale_rows_equals_rescale_bias_and_exact_gelu(gelu):
     m, bias = torch.rand(50, 1, generator=g) + 0.5, torch.randn(1000, generator=g)
     ref = y * m + bias
     ref = F.gelu(ref) if gelu else ref
-    got = rowquant.rescale_rows(rowquant.load(), y.clone(), m, bias, gelu)
+    got = kernels.rescale_rows(y.clone(), m, bias, gelu)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-6)  # erf within 1.5e-7 (Abramowitz and Stegun 7.1.26)
 
 
-def test_fastpath_switch_turns_the_compiled_loops_off(monkeypatch):
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
-    assert linear.fused_rows() is None
+def test_fastpath_switch_turns_the_compiled_loops_off():
+    assert not linear.fused_rows(Settings("off"))
+    assert linear.fused_rows(Settings("auto")) == COMPILED

@@ -278,7 +278,7 @@ def test_int8_compute_serves_what_the_int8_embedder_encodes(kind, engines, embed
     float32 = embedders[kind].encode(TEXTS)
     assert 0 < np.abs(got - float32).max() < 0.2  # int8's rounding, not another model
     layers = [m for m in engine.emb.encoder.modules() if isinstance(m, Linear)]
-    assert layers and all(m.last_path == ("int8-fused" if fused_rows() is not None else "int8") for m in layers)
+    assert layers and all(m.last_path == ("int8-fused" if fused_rows(m.settings) is not None else "int8") for m in layers)
 
 
 def test_request_larger_than_the_budget_is_split(engines, embedders):

@@ -37,7 +37,7 @@ def _precisions(value: str) -> list[str]:
 
 
 def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype: str = "float32",
-                pooling: str | None = None):
+                pooling: str | None = None, backend: str = "auto"):
     """The model and the hash of its weights file (model.safetensors when present), for the results."""
     from moembed.errors import MoembedError
     from moembed.eval.encoding import file_hash
@@ -47,6 +47,8 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype:
             raise MoembedError(f"--dtype: {dtype!r} with --moee-sum; MoEE runs its language model as loaded")
         if pooling is not None:
             raise MoembedError("--pooling: not with --moee-sum; MoEE pools its language model's states itself")
+        if backend != "auto":
+            raise MoembedError(f"--backend: {backend!r} with --moee-sum; MoEE runs its language model as loaded")
         from moembed.moee.combine import load_moee
 
         # The MoEE model's embeddings differ from its source model's: its key covers mode and settings.
@@ -55,7 +57,7 @@ def _load_model(path: Path, moee_sum: float | None, device: str = "auto", dtype:
     from moembed.model.embedder import Embedder
 
     # the cache key covers a compute other than float32, and the pooling
-    model = Embedder.load(path, device=device, dtype=dtype, pooling=pooling)
+    model = Embedder.load(path, device=device, dtype=dtype, pooling=pooling, backend=backend)
     st = path / "model.safetensors"
     return model, file_hash(st) if st.exists() else model.settings_key()
 
@@ -76,6 +78,7 @@ def eval_cmd(
     name: str = typer.Option(None, help="model name in the results (default: the model's own)"),
     device: str = o.device_option(),
     dtype: o.Compute = typer.Option("float32", help="compute precision: bf16 autocast; int8 dynamic matmuls (CPU)"),
+    backend: o.Backend = o.backend_option(),
     quiet: o.Quiet = False,
     pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
     old_tasks: list[Path] = o.old_spelling("--tasks"),
@@ -102,7 +105,7 @@ def eval_cmd(
         raise MoembedError(f"--batch-size: must be >= 1, got {batch_size}")
     loaded = [load_task(d) for d in dirs]  # every task is validated before any model work
     lengths, dim_list, precs = _ints(max_lengths, "--max-lengths"), _ints(dims, "--dims"), _precisions(precisions)
-    emb, model_hash = _load_model(model, moee_sum, device, dtype, pooling)
+    emb, model_hash = _load_model(model, moee_sum, device, dtype, pooling, backend)
     cache = EmbeddingCache(cache_dir) if cache_dir else None
     if dim_list or precs != ["float32"]:
         results = matryoshka_sweep(emb, loaded, dim_list, precs, batch_size, cache, faiss, progress=not quiet)

@@ -27,6 +27,7 @@ from moembed.errors import MoembedError
 Precision = Literal["float32", "int8", "uint8", "binary", "ubinary"]  # model.pooling.PRECISIONS
 Compute = Literal["float32", "bf16", "int8"]  # recipes.encode_corpus.DTYPES: float32, bf16 autocast, dynamic int8
 ServeCompute = Literal["auto", "float32", "bf16", "int8"]  # serve.config.ServeConfig.dtype
+Backend = Literal["auto", "torch", "fast"]  # model.settings.BACKENDS: how inference runs
 InputFormat = Literal["auto", "jsonl", "text", "parquet"]  # recipes.corpus_input.FORMATS
 SearchBackend = Literal["auto", "faiss", "exact"]  # data.search.BACKENDS
 DataSize = Literal["tiny", "small", "medium", "large"]  # data.multilingual.SIZES, recipes.config.QuickstartConfig.size
@@ -57,6 +58,12 @@ Nproc = Annotated[int | None, typer.Option("--nproc", help="split the work over 
 def out_option(help: str, default: Any = ...) -> Any:
     """`--out/-o`, the output of every command (required unless a default is given)."""
     return typer.Option(default, "--out", "-o", help=help)
+
+
+def backend_option() -> Any:
+    """`--backend`: how inference runs (`moembed.model.backends`), chosen once when the model is loaded."""
+    return typer.Option("auto", help="auto: each CPU fast path where it pays here (MOEMBED_NO_FASTPATH=0 or 1 "
+                        "overrides); torch: plain torch ops only; fast: every fast path this build has")
 
 
 def device_option(default: str = "auto",

@@ -1,62 +1,44 @@
 """Scaled dot-product attention over the padded (B, H, T, hd) layout, in the precision and kernel fastest here.
 
-    out, dtype, kernel = attend(q, k, v, mask, dropout_p, training, lengths)
+    out, dtype, kernel = attend(q, k, v, mask, dropout_p, training, lengths, settings)
     # out in q's dtype; dtype: what the kernel computed in; kernel: "compiled" or "torch"
 
-On a CPU without AMX, torch's fused (flash) attention kernel trains 2.2-3x slower in bfloat16 than in float32 at the
-lengths embedding models see: on an AVX-512 BF16 EPYC (Zen 5), 12 heads of 32, forward and backward of B = 64, T =
-64 took 52 ms in bf16 against 17 ms in float32 with the casts (`benchmarks/attention.py`; BENCHMARKS.md, "Attention
-in float32 when training in bf16"); its bf16 backward was a quarter of a bf16 finetuning step. So there a bf16 call
-in training casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast
-them back) and casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The
-result is also the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than
-they save (`precision.py`: bf16 encode at 1.45-1.46x float32 with them against 1.56-1.58x without). Where bf16
-attention has hardware of its own (AMX tiles, GPUs) the input's dtype is kept; MOEMBED_NO_FASTPATH=1 keeps it
-everywhere.
+On a CPU without AMX, torch's fused (flash) attention kernel trains several times slower in bfloat16 than in
+float32 at the lengths embedding models see (`benchmarks/attention.py`; BENCHMARKS.md). So there a bf16 call in
+training casts q, k and v to float32, runs the kernel in float32 (outside autocast, which would cast them back) and
+casts the output to bf16: the casts move (B, H, T, hd) values, the kernel's work is (B, H, T, T). The result is also
+the more precise (float32 scores and softmax). Inference keeps bf16: there the casts cost more than they save.
+Where bf16 attention has hardware of its own (AMX tiles, GPUs) the input's dtype is kept
+(`Settings.upcast_attention`).
 
-**Compiled attention for CPU inference.** torch's CPU flash kernel runs at 40-60 GFLOP/s at an encoder's shapes
-(12 heads of 32, T <= 128, Zen 4), a third of what the linear layers reach, and attention was 30% of int8 encode
-and 29% of bf16 encode (BENCHMARKS.md, "Compiled CPU loops"). An inference call (no gradient, eval mode, no
-dropout) in float32 or bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead, built by
-`moembed.model.native`: by default where torch runs AVX-512 kernels, anywhere with MOEMBED_NO_FASTPATH=0, never
-with MOEMBED_NO_FASTPATH=1 or without a C compiler. Tiles of eight queries by 32 keys are held in registers, each
-sequence is computed against its own real keys only, in float32 (bf16 inputs widened as they are loaded, so bf16
-inference gets float32 scores too). `packed_attention` reads the encoder's packed rows and writes them (no
-padding on either side); `attend(..., lengths=)` takes the padded layout (models with rotary positions, which are
-applied there).
+**Compiled attention for CPU inference.** torch's CPU flash kernel runs far below the linear layers' rate at an
+encoder's shapes (12 heads of 32, T <= 128). An inference call (no gradient, eval mode, no dropout) in float32 or
+bf16 on right-padded sequences with heads of 32 or 64 runs `attention.c` instead (`moembed.model.kernels`),
+where `Settings.compiled_attention` (by default where torch runs AVX-512 kernels) and a C compiler builds it.
+Tiles of eight queries by 32 keys are held in registers, each sequence is computed against its own real keys only,
+in float32 (bf16 inputs widened as they are loaded, so bf16 inference gets float32 scores too). `packed_attention`
+reads the encoder's packed rows and writes them (no padding on either side); `attend(..., lengths=)` takes the
+padded layout (models with rotary positions, which are applied there).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from moembed.model import native
-from moembed.model.linear import cpu_flags, fastpaths_off, packing_pays, switched_on
+from moembed.model import kernels
+from moembed.model.settings import Settings
 
-COMPILED_HEAD_DIMS = (32, 64)  # what attention.c is specialised for
-COMPILED_MAX_LENGTH = 1024  # its longest sequence (its score rows live on the stack)
-# Measured faster where torch runs AVX-512 kernels (BENCHMARKS.md, "Compiled CPU loops"); on AVX2 its 16-wide
-# tiles become pairs of 8-wide vectors that do not fit the register file, and it was not measured there.
-_COMPILED_PAYS = packing_pays()
-
-def _upcast_pays() -> bool:
-    """Not on AMX CPUs, whose tiles run bf16 attention natively (not measured here: bf16 is kept there)."""
-    return not cpu_flags().get("amx_bf16", False)
+COMPILED_HEAD_DIMS = kernels.HEAD_DIMS  # what attention.c is specialised for
+COMPILED_MAX_LENGTH = kernels.MAX_LENGTH  # its longest sequence (its score rows live on the stack)
 
 
-_UPCAST_PAYS = _upcast_pays()
-
-
-def compute_dtype(q: torch.Tensor, training: bool = False) -> torch.dtype:
+def compute_dtype(q: torch.Tensor, training: bool = False, settings: Settings = Settings()) -> torch.dtype:
     """The dtype attention over `q` runs in: float32 for a bf16 `q` in training (`training`: the module is in train
     mode, which includes GradCache's no-grad first pass, so that its replay computes the same values) or recorded by
-    autograd, on a CPU without AMX (unless MOEMBED_NO_FASTPATH=1); else q's own."""
+    autograd, on a CPU where `settings.upcast_attention()` (no AMX); else q's own."""
     upcast = (q.dtype == torch.bfloat16 and q.device.type == "cpu" and (training or q.requires_grad)
-              and _UPCAST_PAYS and not fastpaths_off())
+              and settings.upcast_attention())
     return torch.float32 if upcast else q.dtype
 
 
@@ -71,75 +53,39 @@ def attention_in(dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.to(q.dtype)
 
 
-@functools.cache
-def compiled() -> ctypes.CDLL | None:
-    """`attention.c` compiled (`native.load`), typed; None where it cannot be built (`native.why_not`)."""
-    lib = native.load("attention")
-    if lib is not None:
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.attention.argtypes = [p, p, p, ctypes.c_int, i, i, i, i, p, p, p, ctypes.c_float, p]
-        lib.attention.restype = ctypes.c_int
-    return lib
-
-
-def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool) -> bool:
+def compiled_applies(x: torch.Tensor, head_dim: int, length: int, dropout_p: float, training: bool,
+                     settings: Settings = Settings()) -> bool:
     """Whether the compiled kernel takes attention over `x` (q, or the q/k/v projection): a CPU inference call (no
     gradient, not training, no dropout) in float32 or bf16, heads of 32 or 64, sequences of at most
-    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), and the kernel built; by default where torch runs
-    AVX-512 kernels, MOEMBED_NO_FASTPATH=0 everywhere, MOEMBED_NO_FASTPATH=1 nowhere."""
+    `COMPILED_MAX_LENGTH` tokens (`length`: the longest), `settings.compiled_attention()`, and the kernel built."""
     return (
         x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and not training and dropout_p == 0.0
         and not torch.is_grad_enabled() and head_dim in COMPILED_HEAD_DIMS and length <= COMPILED_MAX_LENGTH
-        and switched_on(_COMPILED_PAYS) and compiled() is not None
+        and settings.compiled_attention() and kernels.available("attention")
     )
 
 
-def _run(q, k, v, starts, lengths, out, rows: int, strides: tuple[int, ...]) -> None:
-    """`attention.c` (its `Layout`: `strides` = q_b, q_h, q_t, k_b, k_h, k_t, v_b, v_h, v_t, o_b; `starts` None for
-    the padded layout); `rows`: output rows per sequence, zero past its length (0 for packed rows)."""
-    B, H, D = lengths.numel(), out.shape[-2], out.shape[-1]
-    rc = compiled().attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16), B, H,
-                              rows, D, None if starts is None else starts.data_ptr(), lengths.data_ptr(),
-                              (ctypes.c_int64 * 10)(*strides), D**-0.5, out.data_ptr())
-    if rc != 0:  # unreachable after `compiled_applies`; kept so that a mismatch cannot return garbage
-        raise RuntimeError(f"compiled attention refused B={B} H={H} hd={D} lengths up to {int(lengths.max())}")
-
-
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Attention of q, k, v (B, H, T, hd) float32 or bf16 (rows of hd contiguous) over each sequence's first
-    `lengths` (B,) keys, by `attention.c`, computed in float32 (bf16 values widened as they are loaded); (B, H, T,
-    hd) in q's dtype, a view of a (B, T, H, hd) buffer, zero at padded query rows (and for a sequence of length
-    0)."""
-    B, H, T, D = q.shape
-    out = torch.empty(B, T, H, D)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], T * H * D)
-    _run(q, k, v, None, lengths.to(torch.int64).contiguous(), out, T, strides)
-    return out.transpose(1, 2).to(q.dtype)
+    """`kernels.attention` of q, k, v (B, H, T, hd) over each sequence's first `lengths` (B,) keys; (B, H, T, hd) in
+    q's dtype, zero at padded query rows."""
+    return kernels.attention(q, k, v, lengths.to(torch.int64).contiguous())
 
 
 def packed_attention(qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, heads: int) -> torch.Tensor:
-    """Attention on packed rows: qkv (N, 3·H·hd), the q, k, v projections of sequences laid one after another
-    (sequence b in rows starts[b] .. starts[b] + lengths[b], both (B,) int64), with no padding; (N, H·hd) in qkv's
-    dtype. No gather pads the rows for the kernel, none drops the padding after it (the padded path does both),
-    and the keys are transposed inside the kernel."""
-    N, d = qkv.shape[0], qkv.shape[1] // 3
-    D = d // heads
-    qkv = qkv.contiguous()
-    out = torch.empty(N, heads, D)
-    _run(qkv, qkv[:, d:], qkv[:, 2 * d :], starts, lengths, out, 0, (0, D, 3 * d) * 3 + (0,))
-    return out.view(N, d).to(qkv.dtype)
+    """`kernels.packed_attention` on the packed rows qkv (N, 3·H·hd) of sequences laid one after another; (N, H·hd)."""
+    return kernels.packed_attention(qkv.contiguous(), starts, lengths, heads)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           dropout_p: float = 0.0, training: bool = False,
-           lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.dtype, str]:
+           dropout_p: float = 0.0, training: bool = False, lengths: torch.Tensor | None = None,
+           settings: Settings = Settings()) -> tuple[torch.Tensor, torch.dtype, str]:
     """softmax(q kᵀ / √hd + mask) v for q, k, v (B, H, T, hd), mask (B, 1, 1, T) bool (True = attend) or None;
     (output (B, H, T, hd) in q's dtype, the dtype the kernel ran in, "compiled" or "torch"). `training`: the
     calling module's mode. `lengths` (B,): given when every sequence's real tokens are its first ones (mask the
     prefix of that length), which lets `compiled_attention` run; the rows past a length are then zero, where
-    torch's kernel leaves the attention of padded queries (which no caller reads)."""
-    if (lengths is not None and compiled_applies(q, q.shape[-1], q.shape[2], dropout_p, training)
+    torch's kernel leaves the attention of padded queries (which no caller reads). `settings`: the calling layer's."""
+    if (lengths is not None and compiled_applies(q, q.shape[-1], q.shape[2], dropout_p, training, settings)
             and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
         return compiled_attention(q, k, v, lengths), torch.float32, "compiled"
-    dtype = compute_dtype(q, training)
+    dtype = compute_dtype(q, training, settings)
     return attention_in(dtype, q, k, v, mask, dropout_p), dtype, "torch"

@@ -39,8 +39,10 @@ from moembed.model.card import CardInfo
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
 from moembed.model.inference import length_sorted_batches, run_batches
+from moembed.model import backends
 from moembed.model.io import ModelParts, check_state, read_parts, save_parts
-from moembed.model.linear import quantize_int8
+from moembed.model.quantize import is_int8, quantize_int8
+from moembed.model.settings import Settings, apply
 from moembed.model.pooling import POOLINGS, PRECISIONS, SCALAR, int8_ranges, pack_bits, pool, quantize_scalar, truncate
 from moembed.model.prompts import (NOMIC_PROMPTS, mark_prompt, prefix_of, prompt_lengths, prompt_text,
                                    prompt_token_count, role_args, role_prompt)
@@ -108,6 +110,7 @@ class Embedder(nn.Module):
         self.calibration = calibration  # (n, d) float32 sample of embeddings for int8 ranges, or None
         self.source_dir = Path(source_dir) if source_dir is not None else None
         self.autocast = autocast
+        self.backend: backends.Backend | None = None  # how `load` set inference up (moembed.model.backends)
         self.similarity_fn_name = similarity_fn_name
         if default_prompt_name is not None:
             prefix_of(self.prompts, None, default_prompt_name)  # an unknown name raises, listing the known ones
@@ -377,8 +380,8 @@ class Embedder(nn.Module):
     @property
     def compute(self) -> str:
         """The precision `encode` computes in: "float32", "bfloat16" / "float16" (the autocast `load` chose) or
-        "int8" (`moembed.model.linear.quantize_int8` switched on)."""
-        if any(m.__dict__.get("int8") for m in self.encoder.modules()):
+        "int8" (`moembed.model.quantize.quantize_int8` switched on)."""
+        if is_int8(self.encoder):
             return INT8
         return str(self.autocast).removeprefix("torch.") if self.autocast is not None else "float32"
 
@@ -418,23 +421,26 @@ class Embedder(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, max_length: int | None = None, device: str | None = "cpu",
-             dtype: str | None = "float32", pooling: str | None = None) -> Embedder:
+             dtype: str | None = "float32", pooling: str | None = None, backend: str = "auto") -> Embedder:
         """Load a moembed, Hugging Face (see `moembed.model.families`) or sentence-transformers directory.
 
         device: "cpu" (default), "cuda", "cuda:N", "mps" or "auto" (the accelerator when there is one); dtype: the
         inference autocast, "float32" (default), "bfloat16", "float16" or "auto" (bfloat16 on an accelerator), or
-        "int8": dynamic int8 linear layers and experts, CPU only (`moembed.model.linear.quantize_int8`); pooling:
+        "int8": dynamic int8 linear layers and experts, CPU only (`moembed.model.quantize.quantize_int8`); pooling:
         replaces the directory's (`pooling.POOLINGS`; a bare checkpoint pools by mean, as sentence-transformers does).
+        backend: how inference runs (`moembed.model.backends`: "auto", "torch", "fast"), recorded in `backend`.
         Only local directories are read: a Hub name raises, saying how to download the model elsewhere."""
         dev = resolve_device(device)
         amp = resolve_dtype(dtype, dev)  # checks "int8" against the device before the weights are read
-        emb = cls.from_parts(read_parts(path, max_length, pooling)).to(dev)
+        settings = Settings.for_backend(backend)  # and the backend's name
+        emb = apply(cls.from_parts(read_parts(path, max_length, pooling)).to(dev), settings)
         emb.autocast = amp
         if dtype == INT8:
             try:
                 quantize_int8(emb)
             except RuntimeError as e:
                 raise MoembedError(f"dtype: {e}") from None  # e: "int8: ..."
+        emb.backend = backends.record(emb, backend, settings, amp)
         return emb
 
     def save(self, path: str | Path, card: CardInfo | None = None) -> None:

@@ -21,6 +21,7 @@ from moembed.model.activations import swiglu
 from moembed.model.attention import attend, compiled_applies, packed_attention
 from moembed.model.linear import Linear
 from moembed.model.recompute import then_recomputed
+from moembed.model.settings import Settings, UsesSettings, apply
 from moembed.model.rope import apply_rope, batch_cos_sin, rope_cos_sin
 
 
@@ -106,8 +107,13 @@ class Embeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-class EncoderLayer(nn.Module):
-    """Post-LayerNorm transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
+class EncoderLayer(UsesSettings, nn.Module):
+    """Post-LayerNorm transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x)).
+
+    `last_attention_dtype` / `last_attention_kernel`: the precision and kernel of the latest attention call."""
+
+    last_attention_dtype: torch.dtype | None = None
+    last_attention_kernel: str | None = None
 
     def __init__(self, config: EncoderConfig, layer_idx: int):
         super().__init__()
@@ -126,18 +132,17 @@ class EncoderLayer(nn.Module):
         H, hd = self.num_heads, self.head_dim
         p = self.attention_dropout if self.training else 0.0
         qkv = self.qkv(x)  # (N, 3d), real tokens only
-        if compiled_applies(qkv, hd, T, p, self.training) and ctx.cos is None and ctx.lengths is not None:
+        if compiled_applies(qkv, hd, T, p, self.training, self.settings) and ctx.cos is None and ctx.lengths is not None:
             # CPU inference: the compiled kernel reads the packed rows and writes them, no padding either side
-            self.__dict__["last_attention_dtype"], self.__dict__["last_attention_kernel"] = torch.float32, "packed"
+            self.last_attention_dtype, self.last_attention_kernel = torch.float32, "packed"
             return packed_attention(qkv, ctx.starts, ctx.lengths, H)  # (N, d)
         qkv = ctx.pad_keys(qkv)  # (B, T, 3d)
         q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
         if ctx.cos is not None:
             cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a, dtype, kernel = attend(q, k, v, ctx.attn_mask, p, self.training, ctx.lengths)  # (B, H, T, hd)
-        self.__dict__["last_attention_dtype"] = dtype  # tests assert which precision and kernel ran
-        self.__dict__["last_attention_kernel"] = kernel
+        a, dtype, kernel = attend(q, k, v, ctx.attn_mask, p, self.training, ctx.lengths, self.settings)  # (B, H, T, hd)
+        self.last_attention_dtype, self.last_attention_kernel = dtype, kernel
         return ctx.unpad(a.transpose(1, 2).reshape(B, T, H * hd))  # (N, d)
 
     def forward(self, x: torch.Tensor, ctx: "_Context"):
@@ -219,15 +224,19 @@ class _NoRandomInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class Encoder(nn.Module):
-    """Bidirectional transformer encoder. forward(input_ids (B, T), attention_mask (B, T)) → EncoderOutput."""
+class Encoder(UsesSettings, nn.Module):
+    """Bidirectional transformer encoder. forward(input_ids (B, T), attention_mask (B, T)) → EncoderOutput.
 
-    def __init__(self, config: EncoderConfig):
+    Built with the user's `Settings` (MOEMBED_NO_FASTPATH, read here once); `settings.apply(encoder, s)` or
+    `Embedder.load(..., backend=)` chooses others."""
+
+    def __init__(self, config: EncoderConfig, settings: Settings | None = None):
         super().__init__()
         self.config = config
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
         self.apply(self._init_weights)
+        apply(self, settings or Settings.from_env())
 
     @classmethod
     def for_weights(cls, config: EncoderConfig) -> Encoder:

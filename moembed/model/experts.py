@@ -9,7 +9,7 @@ expert, it runs them:
                   and dtype by `grouped_support`); under autocast the weights are cast once per weight version
     packed_parts  CPU inference: the loop on oneDNN-packed float32 or bf16 weights, GELU fused into fc1, on
                   slices the dispatch padded to `ROW_MULTIPLE` rows, each expert's output left in its own buffer
-    int8_parts    CPU inference after `linear.quantize_int8`: int8 weights, per-row quantised activations,
+    int8_parts    CPU inference after `quantize.quantize_int8`: int8 weights, per-row quantised activations,
                   each expert's output in its own buffer
     padded        fixed-capacity (E, C, d) batched matmuls (`MoEConfig.capacity_factor`)
 
@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 from moembed.model.activations import INPLACE_ACTIVATIONS, MLP_ACTIVATIONS
 from moembed.model.linear import (
+    Int8Setup,
+    WeightCache,
     cached,
-    fastpaths_off,
+    fused_rows,
     inference_pass,
     int8_linear,
     int8_weights,
@@ -41,17 +43,14 @@ from moembed.model.linear import (
     packed_linear,
 )
 from moembed.model.recompute import then_recomputed
+from moembed.model.settings import UsesSettings
 
-# oneDNN makes (JIT-compiles) a primitive for every matmul shape it has not seen, ~0.4 ms each on an AVX-512 EPYC,
-# and an expert sees a new row count almost every batch. The packed expert loop of CPU inference pads each expert's
-# rows to a multiple of this, so that the shapes recur: an MoE block on 60 batches of random size took 0.60 s
-# instead of 0.91 s in bf16 and 1.06 s instead of 1.37 s in float32 (BENCHMARKS.md, "On an AVX-512 BF16 / VNNI
-# CPU"), for at most 31 wasted rows per expert. Grouped matmuls in bf16 on a CPU (training) are padded the same way
-# (`Experts.grouped_rows`; torch runs each group as a oneDNN matmul, float32 ones go to a BLAS without per-shape
-# kernels). That pays only with oneDNN's cache large enough for a step's shapes, training processes'
-# (moembed.heap.TRAINING_PRIMITIVE_CACHE): with both the experts' bf16 matmuls took 1.09x instead of 1.31x the
-# FLOP-matched wide MLP's time and the quickstart's MoE finetuning 0.89-0.95x its CPU time (BENCHMARKS.md, "A oneDNN
-# kernel per matmul shape in bf16 training"); at the cap of 64 that inference then kept, padding gained nothing (0.99x).
+# oneDNN makes (JIT-compiles) a primitive for every matmul shape it has not seen, and an expert sees a new row count
+# almost every batch. The packed expert loop of CPU inference pads each expert's rows to a multiple of this, so
+# that the shapes recur, for at most 31 wasted rows per expert (BENCHMARKS.md). Grouped matmuls in bf16 on a CPU
+# (training) are padded the same way (`Experts.grouped_rows`; torch runs each group as a oneDNN matmul, float32 ones
+# go to a BLAS without per-shape kernels); that pays only with oneDNN's primitive cache large enough for a step's
+# shapes, as training processes set it (moembed.heap.TRAINING_PRIMITIVE_CACHE).
 ROW_MULTIPLE = 32
 
 
@@ -157,7 +156,7 @@ class _SegmentBias(torch.autograd.Function):
         return grad, bias_grad.to(grad.dtype), None
 
 
-class Experts(nn.Module):
+class Experts(UsesSettings, nn.Module):
     """E MLPs of one kind (GELU or SwiGLU, as the dense MLP they replace), weights stacked on a leading E axis.
 
     fc1_weight (E, r, d) with r = i (GELU) or 2i (SwiGLU: rows [:i] up, [i:] gate), fc2_weight (E, d, i),
@@ -165,7 +164,7 @@ class Experts(nn.Module):
     `fc1.weight` / `fc2.weight`, so upcycling is a broadcast copy.
     """
 
-    int8 = False  # set by `moembed.model.linear.quantize_int8`
+    int8: Int8Setup | None = None  # set by `moembed.model.quantize.quantize_int8`
     row_multiple = ROW_MULTIPLE  # rows per expert padded to a multiple of this on a CPU (1: never)
     recompute_act = False  # keep fc1's output, not the activation's, for backward (moembed.model.recompute)
 
@@ -179,6 +178,7 @@ class Experts(nn.Module):
         self.fc2_bias = nn.Parameter(torch.zeros(num_experts, d)) if bias else None
         nn.init.normal_(self.fc1_weight, std=0.02)  # as Encoder._init_weights for nn.Linear
         nn.init.normal_(self.fc2_weight, std=0.02)
+        self.weight_cache = WeightCache()
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         return MLP_ACTIVATIONS[self.kind](h)
@@ -200,11 +200,11 @@ class Experts(nn.Module):
 
     def packed_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype `packed_parts` runs in for this call (`linear.packed_dtype`), or None where it does not apply."""
-        return packed_dtype(self, x) if self.fc1_weight.dtype == torch.float32 else None
+        return packed_dtype(self, x, self.settings) if self.fc1_weight.dtype == torch.float32 else None
 
     def _packed(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         key = (dtype,) + tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
-        return cached(self, f"packed-{dtype}", key, lambda: [
+        return cached(self.weight_cache, f"packed-{dtype}", key, lambda: [
             (pack(self.fc1_weight[e], dtype), pack(self.fc2_weight[e], dtype)) for e in range(self.num_experts)
         ])
 
@@ -228,9 +228,9 @@ class Experts(nn.Module):
         return out
 
     def can_int8(self, x: torch.Tensor) -> bool:
-        """Whether `int8_parts` applies: the model was switched to int8 (`linear.quantize_int8`) and this is a CPU
+        """Whether `int8_parts` applies: the model was switched to int8 (`quantize.quantize_int8`) and this is a CPU
         float32 inference pass."""
-        return self.int8 and inference_pass(self, x) and self.fc1_weight.dtype == torch.float32
+        return self.int8 is not None and inference_pass(self, x) and self.fc1_weight.dtype == torch.float32
 
     def int8_parts(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
         """Each expert on its slice of x (M, d), slices of `sizes` rows, on int8 weights with per-row quantised
@@ -239,28 +239,30 @@ class Experts(nn.Module):
         b1 = self.fc1_bias if self.fc1_bias is not None else [None] * self.num_experts
         b2 = self.fc2_bias if self.fc2_bias is not None else [None] * self.num_experts
         pairs, amax = [], []
-        stats = self.__dict__.get("int8_amax") or (None, [None] * self.num_experts)
+        stats = self.int8.amax or (None, [None] * self.num_experts)
         for e in range(self.num_experts):  # [fc1 of expert 0, fc2 of expert 0, fc1 of expert 1, ...]
             pairs += [(self.fc1_weight[e], b1[e]), (self.fc2_weight[e], b2[e])]
             amax += [stats[0], stats[1][e]]
         w = int8_weights(self, pairs, amax)
-        gelu = self.kind == "gelu"  # GELU inside fc1's rescale (`linear.int8_linear`)
+        gelu, fused = self.kind == "gelu", fused_rows(self.settings)  # GELU inside fc1's rescale (`int8_linear`)
         act = (lambda h: h) if gelu else INPLACE_ACTIVATIONS.get(self.kind, self.act)  # on int8_linear's own buffer
-        return [int8_linear(act(int8_linear(p, w[2 * e], gelu)), w[2 * e + 1]).contiguous() if p.shape[0] else None
+        return [int8_linear(act(int8_linear(p, w[2 * e], gelu, fused)), w[2 * e + 1], False, fused).contiguous()
+                if p.shape[0] else None
                 for e, p in enumerate(torch.split(x, sizes))]
 
     @torch.no_grad()
-    def record_amax(self, x: torch.Tensor) -> None:
+    def input_ranges(self, x: torch.Tensor, old: tuple | None = None) -> tuple:
         """Largest |input| per channel of every expert's two matmuls, over all tokens x (N, d) of a calibration
-        pass (each expert sees every token, so that each gets ranges): `int8_amax` = (fc1's (d,), [fc2's (i,)])."""
-        old = self.__dict__.get("int8_amax") or (None, [None] * self.num_experts)
+        pass (each expert sees every token, so that each gets ranges), merged with `old`: (fc1's (d,), [fc2's (i,)])
+        (`Int8Setup.amax`)."""
+        old = old or (None, [None] * self.num_experts)
         fc1 = x.abs().amax(0).float() if old[0] is None else torch.maximum(x.abs().amax(0).float(), old[0])
         fc2 = []
         for e in range(self.num_experts):
             b1 = self.fc1_bias[e] if self.fc1_bias is not None else None
             a = self.act(F.linear(x, self.fc1_weight[e], b1)).abs().amax(0).float()
             fc2.append(a if old[1][e] is None else torch.maximum(a, old[1][e]))
-        self.__dict__["int8_amax"] = (fc1, fc2)
+        return fc1, fc2
 
     # Grouped matmuls.
 
@@ -279,7 +281,7 @@ class Experts(nn.Module):
         # made under inference_mode are inference tensors that autograd refuses: they are kept apart from the others.
         key = (dtype, torch.is_inference_mode_enabled()) + tuple(
             (w.data_ptr(), 0 if w.is_inference() else w._version) for w in params if w is not None)
-        casts = cached(self, "cast", key, lambda: [None if w is None else w.detach().to(dtype) for w in params])
+        casts = cached(self.weight_cache, "cast", key, lambda: [None if w is None else w.detach().to(dtype) for w in params])
         if not torch.is_grad_enabled():
             return tuple(casts)
         # One graph node per weight for as long as the cast is kept, as autocast's own cache keeps for nn.Linear: the
@@ -288,14 +290,14 @@ class Experts(nn.Module):
         # parameters). The node saves no tensor, so any number of backward calls may run through it (GradCache's,
         # one per chunk).
         grads = tuple(w is not None and w.requires_grad for w in params)  # freezing a weight needs a new node
-        return cached(self, "cast-node", key + grads,
+        return cached(self.weight_cache, "cast-node", key + grads,
                       lambda: tuple(None if w is None else _CastOnce.apply(w, (c,)) for w, c in zip(params, casts)))
 
     def grouped_rows(self, x: torch.Tensor) -> int:
         """Rows per expert are padded to a multiple of this in `grouped` (1: not padded): on a CPU in reduced
         precision, where torch runs each group's matmul as a oneDNN primitive made for its shape (see ROW_MULTIPLE)."""
         reduced = x.dtype in (torch.bfloat16, torch.float16)
-        return self.row_multiple if x.device.type == "cpu" and reduced and not fastpaths_off() else 1
+        return self.row_multiple if x.device.type == "cpu" and reduced and self.settings.pad_rows() else 1
 
     def grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Same as `loop` with two grouped matmuls (torch._grouped_mm) in `dtype`; None when the operands' layout

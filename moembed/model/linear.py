@@ -1,94 +1,42 @@
 """`Linear`: nn.Linear with two CPU inference paths, and the int8 kernels the MoE experts share.
 
 **Packed float32.** At inference on CPU in float32, `F.linear` hands the weight to the BLAS in its stored layout on
-every call. oneDNN can instead take a weight re-laid out once for its kernels ("packed"), which is about twice as
-fast for the matrix shapes of small encoders on CPUs with AVX-512 kernels (linear layers are ~75% of encoding time);
-on AVX2-only CPUs it was slower than the plain call (whole encode 0.93x dense, 0.88x MoE; BENCHMARKS.md), so there
-it is off by default (`packing_pays`). The packed copy is made lazily, cached per weight version, and used only at
-inference (no gradient, module in eval mode), so training passes — the no-grad pass of GradCache included, where
-the optimizer changes the weights every step — never pay for packing. MOEMBED_NO_FASTPATH=1 turns it off on every
-CPU, MOEMBED_NO_FASTPATH=0 on wherever this torch build has it.
+every call. oneDNN can instead take a weight re-laid out once for its kernels ("packed"), which is faster for the
+matrix shapes of small encoders on CPUs with AVX-512 kernels and slower on AVX2-only CPUs (BENCHMARKS.md), so
+whether it runs is the layer's `settings` (`moembed.model.settings.Settings.packing`). The packed copy is made
+lazily, cached per weight version, and used only at inference (no gradient, module in eval mode), so training
+passes — the no-grad pass of GradCache included, where the optimizer changes the weights every step — never pay
+for packing.
 
-**Dynamic int8** (`quantize_int8(model)`): weights are quantised once per output channel to int8 (symmetric), and
+**Dynamic int8** (`moembed.model.quantize.quantize_int8(model)`): weights are quantised once per output channel to int8 (symmetric), and
 each call quantises every input row to 8 bits with that row's own range ("dynamic" quantisation, so no calibration
 data is needed), multiplies in integers and rescales to float32. On CPUs with int8 dot products (AVX-512 VNNI,
 AVX-VNNI, AMX) the matmul is oneDNN's, on the full 8-bit grid; elsewhere (AVX2) fbgemm's, on a 7-bit grid
-(`int8_kernel`). It runs at inference only; training and autograd always see the float32 weights, which are kept.
-Every linear layer and every expert of an MoE block take part.
+(`Settings.int8_kernel`). It runs at inference only; training and autograd always see the float32 weights, which
+are kept. Every linear layer and every expert of an MoE block take part.
 
 **Packed bfloat16.** Under bf16 autocast at inference on a CPU with native bf16 matmuls (AVX-512 BF16, AMX), autocast
 would cast every weight to bf16 again on every call and run `addmm` on the stored layout; instead the weight is cast
 and packed for oneDNN once, cached per weight version like the float32 packing, and the bias is added in float32
-inside the kernel. Same rules: inference only, MOEMBED_NO_FASTPATH=1 turns it off. CPUs that emulate bf16 (AVX2
-only) keep autocast's plain call; `train.bf16: auto` and `--dtype bf16` are not meant for them.
+inside the kernel (`Settings.bf16_packing`). CPUs that emulate bf16 (AVX2 only) keep autocast's plain call.
 
-`last_path` on each layer records which of "plain", "packed", "packed-bf16" or "int8" its latest call took (tests
-assert it).
+`last_path` on each layer records which of "plain", "packed", "packed-bf16", "int8" or "int8-fused" its latest
+call took.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moembed.model import rowquant
+from moembed.model import cpu, kernels
 from moembed.model.activations import INPLACE_ACTIVATIONS
-
-_HAS_PACKED = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
-
-
-def packing_pays(capability: str | None = None) -> bool:
-    """Whether oneDNN-packed float32 weights beat the plain `F.linear` on a CPU whose torch kernel level is
-    `capability` (this one's by default): where torch runs AVX-512 kernels (AMX CPUs included), not on AVX2 only."""
-    return (capability or torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
-
-
-_PACKING_PAYS = packing_pays()
-
-
-@contextmanager
-def fastpath(enabled: bool):
-    """A block with packing switched on (wherever this torch build has it) or off, whatever the CPU's default;
-    MOEMBED_NO_FASTPATH is restored after it."""
-    before = os.environ.get("MOEMBED_NO_FASTPATH")
-    os.environ["MOEMBED_NO_FASTPATH"] = "0" if enabled else "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["MOEMBED_NO_FASTPATH"]
-        else:
-            os.environ["MOEMBED_NO_FASTPATH"] = before
-
-
-def fastpath_enabled() -> bool:
-    """Whether float32 CPU inference uses packed weights: MOEMBED_NO_FASTPATH unset, where `packing_pays`; 1, never;
-    0, wherever this torch build has the packed kernels."""
-    return _HAS_PACKED and switched_on(_PACKING_PAYS)
-
-
-def switched_on(pays: bool) -> bool:
-    """A CPU fast path's switch: MOEMBED_NO_FASTPATH unset, `pays` (where it was measured faster); 0, on; 1, off."""
-    switch = os.environ.get("MOEMBED_NO_FASTPATH", "")
-    return switch == "0" or (switch == "" and pays)
-
-
-def fastpaths_off() -> bool:
-    """MOEMBED_NO_FASTPATH=1: every CPU fast path off (packing, packed bf16, attention's float32 in bf16 training,
-    padded expert rows in bf16 grouped matmuls, oneDNN's int8 matmul)."""
-    return os.environ.get("MOEMBED_NO_FASTPATH", "") == "1"
-
-
-def bf16_packing_enabled() -> bool:
-    """Whether bf16-autocast CPU inference uses packed bf16 weights: where bf16 matmuls are native (`bf16_is_fast`)
-    and this torch build has oneDNN's packed kernels, unless MOEMBED_NO_FASTPATH=1."""
-    return _HAS_PACKED and _BF16_NATIVE and not fastpaths_off()
+from moembed.model.cpu import bf16_is_fast, int8_available  # noqa: F401 - part of this module's API
+from moembed.model.settings import Settings, UsesSettings
 
 
 def bf16_inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
@@ -107,13 +55,13 @@ def inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def packed_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+def packed_dtype(module: nn.Module, x: torch.Tensor, settings: Settings) -> torch.dtype | None:
     """The dtype a layer with float32 weights runs this call in on oneDNN-packed weights, or None for the plain
-    path: float32 on a CPU float32 inference pass where packing is on (`fastpath_enabled`); bf16 on a CPU inference
-    pass under bf16 autocast where bf16 is native (`bf16_packing_enabled`)."""
-    if inference_pass(module, x) and fastpath_enabled():
+    path: float32 on a CPU float32 inference pass where `settings.packing()`; bf16 on a CPU inference pass under
+    bf16 autocast where `settings.bf16_packing()`."""
+    if inference_pass(module, x) and settings.packing():
         return torch.float32
-    if bf16_inference_pass(module, x) and bf16_packing_enabled():
+    if bf16_inference_pass(module, x) and settings.bf16_packing():
         return torch.bfloat16
     return None
 
@@ -144,48 +92,16 @@ class WeightCache(dict):
         return (WeightCache, ())
 
 
-def cached(module: nn.Module, name: str, key: tuple, make):
-    """`make()`, cached on `module` under `name` until `key` changes. Keys hold (data_ptr, _version) of the weights
-    used, so an optimizer step, `load_state_dict` or any in-place update rebuilds the entry."""
-    store = module.__dict__.get("_weight_cache")
-    if store is None:
-        store = module.__dict__["_weight_cache"] = WeightCache()
+def cached(store: WeightCache, name: str, key: tuple, make):
+    """`make()`, kept in `store` (a layer's `weight_cache`) under `name` until `key` changes. Keys hold (data_ptr,
+    _version) of the weights used, so an optimizer step, `load_state_dict` or any in-place update rebuilds it."""
     hit = store.get(name)
     if hit is None or hit[0] != key:
         hit = store[name] = (key, make())
     return hit[1]
 
 
-def cpu_flags() -> dict:
-    """This CPU's features as torch detects them ({"avx512_bf16": True, "amx_bf16": False, ...}; {} if unknown)."""
-    return torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
-
-
-def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
-    """Whether bfloat16 matmuls run natively on `device`: a CUDA GPU with bf16 support, or a CPU with AVX-512 BF16 or
-    AMX (x86), or oneDNN's bf16 support elsewhere. Other x86 CPUs (AVX2 only) emulate them, several times slower
-    than float32, so bf16 autocast there costs time instead of saving it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return True  # mps and others: bf16 is native where torch offers it
-    flags = cpu_flags()
-    if flags.get("architecture", "x86_64") in ("x86_64", "x86"):
-        return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-_BF16_NATIVE = bf16_is_fast("cpu")
-
-
 # ---- int8 kernels --------------------------------------------------------------------------------------------
-
-
-def int8_available() -> bool:
-    """Whether this torch build has the x86 dynamic-quantisation kernels `quantize_int8` uses."""
-    engines = torch.backends.quantized.supported_engines
-    return hasattr(torch.ops.quantized, "linear_dynamic") and ("x86" in engines or "fbgemm" in engines)
 
 
 OUTLIERS = 8  # input channels per layer kept in float32 (the largest activations; see `pack_int8`)
@@ -193,7 +109,7 @@ OUTLIERS = 8  # input channels per layer kept in float32 (the largest activation
 # The activations' 8-bit grids over [-1, 1], (scale, zero point) of unsigned 8-bit codes. fbgemm's: 7-bit reduced
 # range, as its dynamic kernel would choose for that range, which keeps AVX2's 16-bit pair sums (vpmaddubsw) from
 # saturating. oneDNN's: the full symmetric range (codes 1..255), half the rounding error; its kernel runs only where
-# VNNI's dot products sum u8 x s8 products straight into 32 bits (`int8_kernel`).
+# VNNI's dot products sum u8 x s8 products straight into 32 bits (`Settings.int8_kernel`).
 INT8_GRID = (2.0 / 127, 64)
 ONEDNN_GRID = (1.0 / 127, 128)
 _ONEDNN_INV_STEP = (1.0 / torch.tensor(ONEDNN_GRID[0], dtype=torch.float32)).item()  # as torch's quantiser has it
@@ -201,26 +117,20 @@ _ONEDNN_INV_STEP = (1.0 / torch.tensor(ONEDNN_GRID[0], dtype=torch.float32)).ite
 _fixed_grid_linear = getattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None)
 # oneDNN's quantised linear (u8 activations x s8 weights, float32 out); None where this torch lacks it.
 _onednn_qlinear = getattr(torch.ops.onednn, "qlinear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-_HAS_ONEDNN_INT8 = _onednn_qlinear is not None and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
-def int8_kernel(flags: dict | None = None) -> str:
-    """The int8 matmul for a CPU with features `flags` (this one's by default): "onednn" where it has int8 dot
-    products into 32-bit sums (AVX-512 VNNI, AVX-VNNI, AMX) and this torch build has oneDNN's quantised linear,
-    "fbgemm" otherwise. The two GEMMs alone run alike (3.6x packed float32 on one encoder layer's shapes, Zen 4),
-    but fbgemm's kernel that quantises its own input is slower than torch's quantiser followed by oneDNN's GEMM: the
-    int8 `Linear` runs at 2.23x against 1.96x, and the full 8-bit grid halves the rounding error (BENCHMARKS.md,
-    "int8 on oneDNN where the CPU has VNNI"). Without VNNI its kernel forms 16-bit pair sums that full-range codes
-    overflow."""
-    vnni = _VNNI if flags is None else _has_vnni(flags)
-    return "onednn" if vnni and _HAS_ONEDNN_INT8 and not fastpaths_off() else "fbgemm"
+def int8_kernel(flags: dict | None = None, settings: Settings | None = None) -> str:
+    """The int8 matmul `quantize_int8` picks for a CPU with features `flags` (this one's by default) under
+    `settings` (MOEMBED_NO_FASTPATH's by default): see `Settings.int8_kernel`."""
+    return (settings or Settings.from_env()).int8_kernel(flags)
 
 
-def _has_vnni(flags: dict) -> bool:
-    return any(flags.get(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+@dataclass(frozen=True)
+class Int8Setup:
+    """A layer switched to int8 by `quantize_int8`: its matmul kernel and the input ranges its outliers come from."""
 
-
-_VNNI = _has_vnni(cpu_flags())  # read once: every int8 layer call asks `int8_kernel`
+    kernel: str  # "onednn" | "fbgemm"
+    amax: object  # Linear: (k,) float32 largest |input| per channel, or None; Experts: (fc1's (d,), [fc2's (i,)])
 
 
 @dataclass
@@ -269,42 +179,44 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tenso
     return Int8Weight(kernel, packed, None, None, out, w_outliers, bias, keep)
 
 
-def fused_rows():
-    """`rowquant`'s compiled kernels for the int8 path's per-row work, or None: no C compiler, a failed build
-    (`rowquant.why_not()`), or MOEMBED_NO_FASTPATH=1."""
-    return None if fastpaths_off() else rowquant.load()
+def fused_rows(settings: Settings) -> bool:
+    """Whether the int8 path's per-row work runs compiled (`kernels.quantize_rows`, `kernels.rescale_rows`): where
+    `rowquant.c` is built and the compiled loops are on (`Settings.compiled_loops`)."""
+    return settings.compiled_loops() and kernels.available("rowquant")
 
 
-def int8_path() -> str:
-    """What int8 layers run here, for logs: the matmul kernel and its grid, and where the per-row work runs."""
-    kernel = int8_kernel()
+def int8_path(settings: Settings | None = None) -> str:
+    """What int8 layers run here under `settings` (MOEMBED_NO_FASTPATH's by default), for logs: the matmul kernel
+    and its grid, and where the per-row work runs."""
+    settings = settings or Settings.from_env()
+    kernel = settings.int8_kernel()
     grid = "full 8-bit grid" if kernel == "onednn" else "7-bit grid"
-    if fused_rows() is not None:
+    if fused_rows(settings):
         return f"{kernel} ({grid}), per-row quantisation compiled"
-    return f"{kernel} ({grid}), per-row quantisation in torch ops ({rowquant.why_not() or 'MOEMBED_NO_FASTPATH=1'})"
+    why = kernels.why_not("rowquant") if settings.compiled_loops() else "fast paths off"
+    return f"{kernel} ({grid}), per-row quantisation in torch ops ({why})"
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False, fused: bool = False) -> torch.Tensor:
     """F.linear with int8 weights, then exact GELU if `gelu`: x (N, k) float32 → (N, n) float32, a buffer of its
-    own.
+    own. `fused`: the per-row work in the compiled loops (`fused_rows`), else in torch ops.
 
     Each row is quantised with its own range (its largest |value| outside the outlier channels), so a text's
     embedding never depends on the other texts of its batch: the rows are divided by that maximum and quantised on
     one fixed grid over [-1, 1] (`ONEDNN_GRID`, `INT8_GRID`), which the kernel takes as given instead of measuring
     each call's range. The outlier channels of the scaled rows may lie beyond 1: the quantiser clamps them, and
-    their int8 weights are 0 (`pack_int8`); their float32 product is added before the rescale. Where `fused_rows`
-    has the compiled kernels, the range, the codes and the rescale (with bias and GELU) are one pass each
-    (`rowquant`); otherwise torch ops do the same steps.
+    their int8 weights are 0 (`pack_int8`); their float32 product is added before the rescale. With `fused`,
+    the range, the codes and the rescale (with bias and GELU) are one pass each (`kernels`); otherwise torch ops do
+    the same steps.
     """
-    lib = fused_rows()
-    if lib is not None and w.kernel == "onednn":
+    if fused and w.kernel == "onednn":
         step, zero = ONEDNN_GRID
-        codes, m, xo = rowquant.quantize_rows(lib, x, w.keep, w.outliers, _ONEDNN_INV_STEP, zero)  # xo: x_o / m
+        codes, m, xo = kernels.quantize_rows(x.contiguous(), w.keep, w.outliers, _ONEDNN_INV_STEP, zero)  # xo: x_o/m
         y = _onednn_qlinear(codes, step, zero, w.packed, w.scale, w.zero, None, 1.0, 0, torch.float32,
                             "none", [], "")  # (N, n)
         if w.outliers.numel():
             y.addmm_(xo, w.w_outliers)  # (N, o) @ (o, n), on the row's scale like the int8 product
-        return rowquant.rescale_rows(lib, y, m, w.bias, gelu)
+        return kernels.rescale_rows(y, m, w.bias, gelu)
     xs = x.abs()  # (N, k), then the scaled rows
     if w.outliers.numel():
         xs.index_fill_(1, w.outliers, 0.0)
@@ -323,8 +235,8 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Ten
         y = torch.ops.quantized.linear_dynamic(torch.cat([xs.clamp_(-1.0, 1.0), fixed]), w.packed, True)[:-1]
     if xo is not None:
         y.addmm_(xo, w.w_outliers)
-    if lib is not None:  # fbgemm's product with the compiled rescale
-        return rowquant.rescale_rows(lib, y, m, w.bias, gelu)
+    if fused:  # fbgemm's product with the compiled rescale
+        return kernels.rescale_rows(y, m, w.bias, gelu)
     # in place: no second (N, n) buffer (a fresh one is page faults each call wherever malloc has trimmed its heap)
     y = torch.addcmul(w.bias, y, m, out=y)
     return INPLACE_ACTIVATIONS["gelu"](y) if gelu else y
@@ -333,109 +245,49 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, gelu: bool = False) -> torch.Ten
 def _onednn_codes(xs: torch.Tensor, step: float = ONEDNN_GRID[0]) -> torch.Tensor:
     """Scaled rows xs (N, k) → their codes on `ONEDNN_GRID` (or another `step`, zero point 128), (N, k) uint8, in
     one pass: torch's quantiser (the one fused round-and-clamp it has), its storage then read as the plain uint8
-    tensor oneDNN's kernel takes (no copy; with `int_repr`'s copy int8 encode cost 1.05x fbgemm's, with a round,
-    clamp and cast in plain ops 1.10-1.16x)."""
+    tensor oneDNN's kernel takes, without the copy `int_repr` would make."""
     q = torch.quantize_per_tensor(xs, step, ONEDNN_GRID[1], torch.quint8)
     return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
 
 
 def int8_weights(module: nn.Module, pairs, amax) -> list[Int8Weight]:
     """`pack_int8` of `pairs` [(weight (n, k), bias (n,) | None), ...] with `amax` [(k,) | None, ...] for the
-    module's kernel (`quantize_int8`), cached on `module` until a weight changes."""
-    kernel = module.__dict__.get("int8_kernel") or int8_kernel()
+    module's kernel (`module.int8`, set by `quantize_int8`), kept in its `weight_cache` until a weight changes."""
+    kernel = module.int8.kernel
     key = (kernel, *((w.data_ptr(), w._version) for w, _ in pairs))
-    return cached(module, "int8", key, lambda: [pack_int8(w, b, a, kernel) for (w, b), a in zip(pairs, amax)])
-
-
-@torch.no_grad()
-def activation_ranges(model: nn.Module, sequences: int = 32, length: int = 64, seed: int = 0) -> None:
-    """Record on every int8-capable layer the largest |input| per channel (`int8_amax`) over a float32 pass of
-    seeded random token sequences. Outlier channels are a property of the trained weights (they show on any
-    input), so no text is needed, and the result depends on the model alone."""
-    config = model.config
-    g = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    ids = torch.randint(1, config.vocab_size, (sequences, length), generator=g).to(device)  # (S, T)
-    ids[ids == config.pad_token_id] = 1
-    layers = [m for m in model.modules() if hasattr(type(m), "int8")]
-    hooks = [m.register_forward_pre_hook(_record_amax) for m in layers if isinstance(m, Linear)]
-    hooks += [m.register_forward_pre_hook(_record_expert_amax) for m in model.modules() if hasattr(m, "experts")
-              and hasattr(type(m.experts), "int8")]
-    was_training = model.training
-    model.eval()
-    for m in layers:
-        m.__dict__["int8"] = False
-        m.__dict__["int8_amax"] = None
-    try:
-        model(ids, torch.ones_like(ids))
-    finally:
-        model.train(was_training)
-        for h in hooks:
-            h.remove()
-
-
-def _max_abs(x: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    a = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()  # (k,)
-    return a if old is None else torch.maximum(a, old)
-
-
-def _record_amax(module: nn.Module, args) -> None:
-    module.__dict__["int8_amax"] = _max_abs(args[0], module.__dict__.get("int8_amax"))
-
-
-def _record_expert_amax(block: nn.Module, args) -> None:
-    block.experts.record_amax(args[0])
-
-
-def quantize_int8(model: nn.Module, enabled: bool = True, kernel: str | None = None) -> nn.Module:
-    """Switch every linear layer and MoE expert of an encoder (or Embedder) to int8 at inference (or back,
-    `enabled=False`), on `kernel` ("onednn" | "fbgemm"; `int8_kernel()` by default). Returns `model`.
-
-    Weights: int8 with one scale per output row, made on first use and remade after any weight update; the
-    float32 weights stay, and training and gradient passes use them. Activations: quantised per row at each call
-    (`int8_linear`), apart from the few outlier channels `activation_ranges` finds. Raises RuntimeError when this
-    torch has no x86 quantised kernels, or `kernel` is "onednn" without oneDNN's kernel or a VNNI/AMX CPU;
-    ValueError for an unknown kernel.
-    """
-    if kernel not in (None, "onednn", "fbgemm"):
-        raise ValueError(f"int8 kernel: expected 'onednn' or 'fbgemm', got {kernel!r}")
-    if enabled:
-        if not int8_available():
-            raise RuntimeError("int8: this torch build has no x86 quantised linear kernels (fbgemm)")
-        if kernel == "onednn" and not (_HAS_ONEDNN_INT8 and _VNNI):
-            raise RuntimeError("int8: oneDNN's kernel needs a torch build with it and a CPU with VNNI or AMX "
-                               "(elsewhere its 16-bit pair sums would overflow on the full 8-bit grid)")
-        activation_ranges(model)
-    for m in model.modules():
-        if hasattr(type(m), "int8"):  # Linear and the MoE blocks' Experts
-            m.__dict__["int8"] = enabled
-            m.__dict__["int8_kernel"] = kernel
-    return model
+    return cached(module.weight_cache, "int8", key,
+                  lambda: [pack_int8(w, b, a, kernel) for (w, b), a in zip(pairs, amax)])
 
 
 # ---- the layer -----------------------------------------------------------------------------------------------
 
 
-class Linear(nn.Linear):
-    int8 = False  # set per layer by `quantize_int8`
+class Linear(UsesSettings, nn.Linear):
+    int8: Int8Setup | None = None  # set per layer by `quantize_int8`
+    last_path: str | None = None  # the path of the latest call
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_cache = WeightCache()
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """x Wᵀ + b, or with `gelu` (a keyword, so that hooks see the same input) exact GELU of it, fused into the
         matmul on the packed paths (`packed_linear`)."""
         if self.weight.dtype == torch.float32:
-            if self.int8 and inference_pass(self, x):
-                self.__dict__["last_path"] = "int8-fused" if fused_rows() is not None else "int8"
-                w = int8_weights(self, [(self.weight, self.bias)], [self.__dict__.get("int8_amax")])[0]
-                return int8_linear(x.reshape(-1, x.shape[-1]), w, gelu).view(*x.shape[:-1], -1)
-            dtype = packed_dtype(self, x)
+            if self.int8 is not None and inference_pass(self, x):
+                fused = fused_rows(self.settings)
+                self.last_path = "int8-fused" if fused else "int8"
+                w = int8_weights(self, [(self.weight, self.bias)], [self.int8.amax])[0]
+                return int8_linear(x.reshape(-1, x.shape[-1]), w, gelu, fused).view(*x.shape[:-1], -1)
+            dtype = packed_dtype(self, x, self.settings)
             if dtype is not None:
-                self.__dict__["last_path"] = "packed" if dtype == torch.float32 else "packed-bf16"
+                self.last_path = "packed" if dtype == torch.float32 else "packed-bf16"
                 return packed_linear(x, self._packed_weight(dtype), self.bias, gelu)
-        self.__dict__["last_path"] = "plain"
+        self.last_path = "plain"
         y = F.linear(x, self.weight, self.bias)
         return F.gelu(y) if gelu else y
 
     def _packed_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in `dtype`, packed for oneDNN; cached until the weight changes."""
         key = (self.weight.data_ptr(), self.weight._version, dtype)
-        return cached(self, f"packed-{dtype}", key, lambda: pack(self.weight, dtype))
+        return cached(self.weight_cache, f"packed-{dtype}", key, lambda: pack(self.weight, dtype))

@@ -17,7 +17,8 @@ contiguous slice per expert) → `Experts.grouped` (every expert on its slice) �
 CPU inference on oneDNN-packed or int8 expert weights takes the same steps in fewer passes over the (N·k, d)
 copies: the dispatch gathers them straight into slices (padded for the packed kernels, `Experts.row_multiple`),
 each expert keeps its own output buffer, and `combine.c` sums every token's k rows from where they are (no
-concatenation, no second gather); where no C compiler builds it, the same sums in torch ops.
+concatenation, no second gather); where no C compiler builds it, the same sums in torch ops. Which path ran is
+`last_dispatch`; which one a model takes is decided by its `settings` (`moembed.model.settings`).
 
 Dropless by default: every assignment is computed, however unbalanced. With `capacity_factor` each expert
 takes at most C = ceil(capacity_factor · N · k / E) assignments in a fixed-shape (E, C, d) buffer, as on
@@ -28,9 +29,6 @@ Assignments compete in token order (earlier tokens first).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -39,24 +37,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moembed.model import native
+from moembed.model import kernels
 from moembed.model.config import EncoderConfig
 from moembed.model.experts import Experts, grouped_support, padded_positions
 
 Dispatch = Literal["auto", "grouped", "loop", "naive"]
 DISPATCH_MODES = ("auto", "grouped", "loop", "naive")
-
-log = logging.getLogger("moembed")
-
-_ANNOUNCED: set[str] = set()
-
-
-def _announce(message: str) -> None:
-    """Log which dispatch runs, once per distinct message and process (logger "moembed")."""
-    if message not in _ANNOUNCED:
-        _ANNOUNCED.add(message)
-        log.info("MoE dispatch: %s", message)
-
 
 @dataclass
 class Routing:
@@ -102,6 +88,7 @@ class MoEBlock(nn.Module):
         # Shared bias after combination (`MoEConfig.output_bias`); zero-initialised as the other biases.
         self.output_bias = nn.Parameter(torch.zeros(config.hidden_size)) if moe.output_bias else None
         self.dispatch_mode: Dispatch = dispatch_mode
+        self.last_dispatch: str | None = None  # the path of the latest forward
 
     # ---- the four steps ----------------------------------------------------------------------------------------
 
@@ -147,7 +134,7 @@ class MoEBlock(nn.Module):
 
     def in_place(self, x: torch.Tensor) -> str | None:
         """The CPU inference path whose experts' outputs are combined where they are written (`_forward_in_place`):
-        "int8-loop" (after `linear.quantize_int8`, any mode but "naive"), "packed-loop" / "packed-bf16-loop"
+        "int8-loop" (after `quantize.quantize_int8`, any mode but "naive"), "packed-loop" / "packed-bf16-loop"
         (oneDNN-packed float32 / bf16 weights, `Experts.packed_dtype`, modes "auto" and "loop"); None otherwise."""
         if self.dispatch_mode != "naive" and self.experts.can_int8(x):
             return "int8-loop"
@@ -157,22 +144,17 @@ class MoEBlock(nn.Module):
     def compute(self, d: Dispatched) -> torch.Tensor:
         """Each expert on its contiguous slice: (M, d) → (M, d). Records the path taken in `last_dispatch`."""
         x, mode = d.tokens, self.dispatch_mode
-        if mode == "loop":
-            return self._ran("loop", "expert loop (asked for)", self.experts.loop(x, d.counts))
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        support = grouped_support(x.device, dtype)
-        if support.usable and (mode == "grouped" or support.preferred):
-            y = self.experts.grouped(x, d.counts, dtype)
-            if y is not None:
-                return self._ran("grouped", f"grouped matmuls, torch._grouped_mm ({support.detail})", y)
-            why = "operand strides are not multiples of 16 bytes (hidden or intermediate size)"
-        else:
-            why = support.detail
-        return self._ran("loop", f"expert loop instead of grouped matmuls: {why}", self.experts.loop(x, d.counts))
+        if mode != "loop":
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            support = grouped_support(x.device, dtype)
+            if support.usable and (mode == "grouped" or support.preferred):
+                y = self.experts.grouped(x, d.counts, dtype)  # None: operand strides not multiples of 16 bytes
+                if y is not None:
+                    return self._ran("grouped", y)
+        return self._ran("loop", self.experts.loop(x, d.counts))
 
-    def _ran(self, path: str, message: str, y: torch.Tensor) -> torch.Tensor:
-        self.__dict__["last_dispatch"] = path  # plain attribute (not through nn.Module.__setattr__): per forward
-        _announce(message)
+    def _ran(self, path: str, y: torch.Tensor) -> torch.Tensor:
+        self.last_dispatch = path
         return y
 
     def combine(self, y: torch.Tensor, d: Dispatched, gates: torch.Tensor, n: int) -> torch.Tensor:
@@ -200,34 +182,25 @@ class MoEBlock(nn.Module):
         """CPU inference on int8 or packed expert weights (`in_place`), output bias included: (N, d) → (N, d) float32.
 
         One gather writes the copies in slices (padded for the packed kernels), each expert writes its own buffer, and
-        `combine.c` reads each token's k rows from those buffers: without the per-expert padding copies, the
-        concatenation, the second gather and the separate multiply-adds the packed float32 block takes 0.95x the
-        time, the same bits (BENCHMARKS.md, "One pass to combine the experts' outputs")."""
+        `combine.c` reads each token's k rows from those buffers (`kernels.combine_rows`): no per-expert padding
+        copies, no concatenation, no second gather and no separate multiply-adds, the same bits."""
         n = x.shape[0]
         dtype = torch.bfloat16 if path == "packed-bf16-loop" else torch.float32
         d = self.dispatch(x.to(dtype), r.experts, 1 if path == "int8-loop" else self.experts.row_multiple, counts)
         sizes = d.counts.tolist() if d.sizes is None else d.sizes  # unpadded (int8, or row_multiple 1)
         if path == "int8-loop":
-            parts, what = self.experts.int8_parts(d.tokens, sizes), "expert loop on int8 weights (cpu inference)"
+            parts = self.experts.int8_parts(d.tokens, sizes)
         else:  # one (sizes[e], d) buffer per expert, or None
-            parts, kind = self.experts.packed_parts(d.tokens, sizes, dtype), str(dtype).removeprefix("torch.")
-            what = f"expert loop on oneDNN-packed {kind} weights (cpu {kind} inference)"
-        lib = combiner()
-        how = "combine.c" if lib is not None else f"torch ops ({native.why_not.get('combine', 'not built')})"
-        self._ran(path, f"{what}, combined by {how}", x)
+            parts = self.experts.packed_parts(d.tokens, sizes, dtype)
+        self._ran(path, x)
         bias = None if self.output_bias is None else self.output_bias.float()
-        if lib is None:  # torch ops: the buffers concatenated, then `combine`
+        if not (n and kernels.available("combine")):  # torch ops: the buffers concatenated, then `combine`
             out = self.combine(torch.cat([p for p in parts if p is not None] or [d.tokens[:0]]), d, r.gates, n).float()
             return out if bias is None else out + bias
         flat = r.experts.flatten()  # (N·k,) expert of each assignment
         starts = torch.tensor([0, *sizes[:-1]], device=x.device).cumsum(0)  # (E,) first padded row per expert
         rows = self._slots(d) - starts[flat]  # (N·k,) row within its expert's buffer
-        addresses = torch.tensor([0 if p is None else p.data_ptr() for p in parts], dtype=torch.int64)  # (E,)
-        gates, out = r.gates.float().contiguous(), x.new_empty(n, x.shape[1], dtype=torch.float32)
-        lib.combine_rows(addresses.data_ptr(), flat.data_ptr(), rows.data_ptr(), gates.data_ptr(), n, self.top_k,
-                         x.shape[1], int(dtype == torch.bfloat16), None if bias is None else bias.data_ptr(),
-                         out.data_ptr())
-        return out
+        return kernels.combine_rows(parts, flat, rows, r.gates.float().contiguous(), bias)  # (N, d) float32
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
@@ -256,7 +229,7 @@ class MoEBlock(nn.Module):
             if tok.numel():
                 y = self.experts.expert(e, x.index_select(0, tok)) * r.gates[tok, slot, None]  # (n_e, d)
                 out = out.index_add(0, tok, y.to(out.dtype))
-        return self._ran("naive", "naive per-expert masks (asked for)", out)
+        return self._ran("naive", out)
 
     def capacity(self, n: int) -> int:
         """Assignments each expert takes with a capacity factor: ceil(cf · N · k / E)."""
@@ -274,20 +247,7 @@ class MoEBlock(nn.Module):
         buf = d.tokens.new_zeros(E * C, dm).index_copy(0, slot, d.tokens[keep])
         y = self.experts.padded(buf.view(E, C, dm)).reshape(E * C, -1).index_select(0, slot)  # (M_kept, d)
         kept = Dispatched(d.tokens[keep], d.source[keep], d.counts.clamp(max=C))
-        return self._ran("capacity", "fixed-capacity batched matmuls (capacity_factor)",
-                         self.combine(y, kept, r.gates, x.shape[0]))
-
-
-@functools.cache
-def combiner() -> ctypes.CDLL | None:
-    """`combine.c` compiled (`native.load`), typed; None where it cannot be built (`native.why_not`): then the
-    packed path combines with torch ops."""
-    lib = native.load("combine")
-    if lib is not None:
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.combine_rows.argtypes = [p, p, p, p, i, i, i, ctypes.c_int, p, p]
-        lib.combine_rows.restype = None
-    return lib
+        return self._ran("capacity", self.combine(y, kept, r.gates, x.shape[0]))
 
 
 def set_dispatch(module: nn.Module, mode: Dispatch) -> None:

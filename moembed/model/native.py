@@ -1,6 +1,6 @@
 """The package's C loops (`moembed/model/*.c`), compiled for this machine on first use and cached.
 
-    lib = load("rowquant")        # ctypes.CDLL, or None where no C compiler builds it (reason: why_not["rowquant"])
+    lib = load("rowquant")        # ctypes.CDLL, or None where no C compiler builds it (reason: why_not("rowquant"))
 
 A few inference loops are faster written once in C than as a chain of torch ops (`rowquant`: the int8 path's
 per-row work; `attention`: encoder self-attention on short sequences; `combine`: an MoE block's weighted sum of
@@ -26,12 +26,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
+from moembed.model.cpu import flags
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-
-why_not: dict[str, str] = {}  # name -> why `load(name)` returned None, for the log lines that name a path
-
 
 def source(name: str) -> Path:
     return Path(__file__).with_name(f"{name}.c")
@@ -59,7 +56,7 @@ def _version(cc: str) -> str:
 def library_path(name: str, cc: str) -> Path:
     """The compiled `name` for compiler `cc` in `cache_dir`, named by a hash of what it depends on: the source and
     the headers beside it, the compiler (its --version), the flags and this CPU."""
-    cpu = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
+    cpu = flags()
     headers = [h.read_text() for h in sorted(Path(__file__).parent.glob("*.h"))]  # what the sources include
     identity = "\n".join([source(name).read_text(), *headers, _version(cc), " ".join(FLAGS), platform.machine(),
                           repr(sorted(cpu.items()))])
@@ -83,23 +80,31 @@ def build(name: str, target: Path, cc: str) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `name`, built on first use and cached; None (reason in `why_not[name]`) without a C compiler
+    """The compiled `name`, built on first use and cached; None (reason: `why_not(name)`) without a C compiler
     or when building or loading fails."""
+    return built(name)[0]
+
+
+def why_not(name: str) -> str | None:
+    """Why `load(name)` returns None (None when it loads); builds it first if needed."""
+    return built(name)[1]
+
+
+@functools.cache
+def built(name: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the compiled `name`, None) or (None, why not), once per process."""
     cc = compiler()
     if cc is None:
-        why_not[name] = f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH"
-        return None
+        return None, f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH"
     try:
         target = library_path(name, cc)
         if not target.exists():
             build(name, target, cc)
         try:
-            return ctypes.CDLL(str(target))
+            return ctypes.CDLL(str(target)), None
         except OSError:  # a file cut short (a full disk, an interrupted copy): built again
             build(name, target, cc)
-            return ctypes.CDLL(str(target))
+            return ctypes.CDLL(str(target)), None
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        why_not[name] = str(e).splitlines()[0][:200]
-        return None
+        return None, str(e).splitlines()[0][:200]

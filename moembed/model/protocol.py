@@ -110,7 +110,7 @@ def weights_key(module: nn.Module) -> str:
     """
     sd = module.state_dict()
     stamp = tuple((k, v.data_ptr(), v._version) for k, v in sd.items())
-    cached = module.__dict__.get("_weights_key")
+    cached = getattr(module, "_weights_key", None)
     if cached is not None and cached[0] == stamp:
         return cached[1]
     h = hashlib.sha256(type(module).__name__.encode())
@@ -120,5 +120,5 @@ def weights_key(module: nn.Module) -> str:
         h.update(k.encode())
         h.update(t.contiguous().numpy().tobytes())
     key = h.hexdigest()[:16]
-    module.__dict__["_weights_key"] = (stamp, key)
+    module._weights_key = (stamp, key)
     return key
