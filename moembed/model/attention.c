@@ -9,12 +9,12 @@
    again; `Layout` says which. All float32 or all bfloat16 (widened on load); out float32.
 
    torch's CPU flash-attention kernel spends most of its time outside its matmuls at these shapes (12 heads of 32,
-   T <= 128: 40-60 GFLOP/s on Zen 4 against ~180 for the linear layers). Here each (sequence, head) is one task:
+   T <= 128), far below the linear layers' rate (BENCHMARKS.md). Here each (sequence, head) is one task:
    its keys transposed in 16 x 16 blocks (keys along the vector lanes), then eight query rows at a time against 32
    keys (sixteen vector accumulators), the softmax of those eight rows over the sequence's own L keys on whole
-   vectors, then their product with V, 32 columns at a time (sixteen accumulators again). Eight rows rather than
-   four, vector softmax and its reductions by shuffles: 1.33-1.37x (heads of 32) and 1.22x (64) the four-row loop with
-   a vectorised scalar softmax on Zen 4, over the lengths of real news texts.
+   vectors, then their product with V, 32 columns at a time (sixteen accumulators again): eight rows rather than
+   four, and a vector softmax with its reductions by shuffles, were measured faster than four rows with a
+   vectorised scalar softmax.
    Padded keys are skipped rather than masked, so a row's result depends on its own sequence only. D is 32 or 64
    (specialised so that the accumulators stay in registers); the caller uses torch's kernel otherwise. */
 

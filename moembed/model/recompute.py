@@ -4,10 +4,8 @@ In `fc2(act(fc1(x)))` autograd keeps two (tokens, intermediate) tensors per MLP:
 backward, and a = act(h), for fc2's weight gradient. They are the largest activations a BERT-style layer keeps
 (intermediate = 4 × hidden; a top-2 MoE layer keeps both for every token twice). `then_recomputed` lets fc2 keep
 h instead of a and recomputes a = act(h) when backward reaches fc2: one elementwise pass more, one (N, i) tensor
-less per MLP. On the quickstart's MoE finetuning (all-MiniLM-L6-v2 upcycled, 8 experts top-2 on 3 of 6 layers,
-~7,000 tokens in its largest steps) the peak fell by 0.3 GiB (2.81 to 2.51) and CPU time did not rise (0.985x,
-40 steps batch for batch, `benchmarks/recompute.py`): on a CPU the pass costs about what faulting in the tensor it
-replaces did (BENCHMARKS.md, "Recomputed MLP activations"). The recomputed a is bitwise the a of the forward
+less per MLP: a lower peak for about the time that faulting in the tensor it replaces would cost
+(`benchmarks/recompute.py`; BENCHMARKS.md). The recomputed a is bitwise the a of the forward
 pass (the same op on the same h), so gradients are unchanged; Megatron-LM calls the idea selective recomputation
 (Korthikanti et al. 2022, which recompute the attention core for the same reason).
 
