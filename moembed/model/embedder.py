@@ -17,8 +17,7 @@ Inference in three layers, each usable on its own:
     embed_ids(ids)            → (n, d) pooled float32, one padded forward pass, not normalised
     embed_tensor / encode     → length-sorted batches of the above; encode adds truncation, normalisation, precision
 
-Nothing here assumes a device: inputs go to the device of the weights; `autocast` (set by `load`'s dtype) picks
-bfloat16 / float16 autocast, e.g. on a GPU.
+Device-agnostic: inputs go to the weights' device; `autocast` (from `load`'s dtype) picks bf16 / fp16 autocast.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ from moembed.errors import MoembedError
 from moembed.model.card import CardInfo
 from moembed.model.config import EncoderConfig
 from moembed.model.encoder import Encoder, EncoderOutput
-from moembed.model.inference import length_sorted_batches, run_batches
 from moembed.model import backends
+from moembed.model.inference import length_sorted_batches, run_batches
 from moembed.model.io import ModelParts, check_state, read_parts, save_parts
 from moembed.model.quantize import is_int8, quantize_int8
 from moembed.model.settings import Settings, apply
