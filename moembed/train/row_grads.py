@@ -3,8 +3,8 @@
 A contrastive step encodes queries, documents and hard negatives in separate forward passes (train/step.py), and
 autograd's embedding backward gives each pass a dense (vocabulary, width) gradient, summed before it reaches the
 table's .grad. For multilingual-e5-small's XLM-R table (250,037 × 384 float32) that is 384 MB per pass, made while
-the other passes' activations are still alive: with AdamW's state, a part of the MoE model's training peak in
-the multilingual quickstart (BENCHMARKS.md, "Multilingual quickstart: memory per stage"). A step looks up a few
+the other passes' activations are still alive: with AdamW's state, the peak of the multilingual quickstart's MoE
+steps on short texts (BENCHMARKS.md, "Multilingual quickstart: memory per stage"). A step looks up a few
 thousand distinct rows, so each pass here keeps only its per-row sums of output gradients (rows looked up ×
 width), and `flush` adds them into one dense .grad after the backward pass, when the activations are freed.
 
