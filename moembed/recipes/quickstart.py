@@ -35,6 +35,7 @@ from moembed.recipes import curation, evaluation, training
 from moembed.recipes.config import SIZES, QuickstartConfig, load_quickstart_config  # noqa: F401 (public names)
 from moembed.recipes.context import RecipeContext
 from moembed.recipes.training import minilm_path  # noqa: F401
+from moembed.train.memory import PeakRss
 
 log = logging.getLogger("moembed")
 
@@ -79,7 +80,9 @@ class Quickstart:
             return json.loads(marker.read_text())
         log.info("[%d/%d] %s ...", n, total, name)
         t = time.perf_counter()
-        result = fn() or {}
+        with PeakRss() as peak:  # the stage's own peak resident memory (BENCHMARKS.md, the per-stage profile)
+            result = fn() or {}
+        result["peak_rss_mib"] = peak.mib
         release_free_heap()  # what this stage freed (the teacher's embeddings, a model) is not the next one's
         result["seconds"] = round(time.perf_counter() - t, 1)
         with atomic_path(marker) as tmp:

