@@ -43,7 +43,8 @@ def start(model: str, threads: int, flags: list[str], root: Path = ROOT) -> tupl
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "moembed.cli.main", "serve", model, "--port", str(port), "--device", "cpu", *flags]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # cwd=root: `python -m` puts the working directory ahead of PYTHONPATH on sys.path
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(1800):
         if proc.poll() is not None:
