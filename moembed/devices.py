@@ -48,7 +48,7 @@ def resolve_device(name: str | None) -> torch.device:
 # Autocast dtypes for inference: weights stay float32, matmuls run in the lower precision.
 DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-# Not an autocast: dynamic int8 linear layers and experts on the CPU (`moembed.model.linear.quantize_int8`, which
+# Not an autocast: dynamic int8 linear layers and experts on the CPU (`moembed.model.quantize.quantize_int8`, which
 # `Embedder.load(dtype="int8")` applies); no autocast around them.
 INT8 = "int8"
 

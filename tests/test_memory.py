@@ -28,8 +28,8 @@ def test_a_stage_records_its_own_peak_not_the_process_peak(tmp_path):
         x = np.ones(300 * 2**20 // 8)  # 300 MiB, every page touched
         return {"sum": float(x.sum())}
 
-    qs._stage("big", big, 1, 2)
-    qs._stage("small", lambda: {"sum": 0.0}, 2, 2)
+    qs.run_stage("big", big, 1, 2)
+    qs.run_stage("small", lambda: {"sum": 0.0}, 2, 2)
     big_peak = json.loads((qs.stages / "big.json").read_text())["peak_rss_mib"]
     small_peak = json.loads((qs.stages / "small.json").read_text())["peak_rss_mib"]
     assert big_peak - small_peak >= 250, (big_peak, small_peak)  # the second stage's peak was reset at its start
