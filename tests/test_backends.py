@@ -130,3 +130,22 @@ def test_eval_loads_with_the_backend_asked_for(moe_dir):
     assert emb.backend.name == "torch"
     with pytest.raises(MoembedError, match="--backend"):
         _load_model(moe_dir, 1.0, "cpu", "float32", None, "fast")
+
+
+def test_encode_and_serve_load_with_the_backend_asked_for(moe_dir, tmp_path):
+    """`moembed encode --backend` (each --nproc rank too) and `moembed serve --backend` reach `Embedder.load`."""
+    from moembed.cli.encode import _worker_argv
+    from moembed.recipes.corpus_input import CorpusInput
+    from moembed.recipes.encode_corpus import EncodeJob, load_model
+    from moembed.serve.config import ServeConfig
+    from moembed.serve.engine import EmbedderEngine
+
+    (tmp_path / "in.txt").write_text("a text\n")
+    job = EncodeJob(model=str(moe_dir), input=CorpusInput.open(tmp_path / "in.txt", "text", None, None),
+                    out=tmp_path / "o.npy", device="cpu", backend="torch")
+    assert load_model(job).backend.name == "torch"
+    assert _worker_argv(str(moe_dir), tmp_path / "in.txt", job, None, True)[-3:-1] == ["--backend", "torch"]
+    assert EmbedderEngine.load(str(moe_dir), device="cpu", backend="torch").emb.backend.name == "torch"
+    assert ServeConfig.from_flags(model=str(moe_dir), backend="fast").backend == "fast"
+    with pytest.raises(MoembedError, match="--backend: unknown backend 'nope'"):
+        ServeConfig.from_flags(model=str(moe_dir), backend="nope")

@@ -41,6 +41,7 @@ def encode(
     old_input: Path = o.old_spelling("--input", "-i"),
     old_output: Path = o.old_spelling("--output"),
     pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
+    backend: o.Backend = o.backend_option(),
 ) -> None:
     """Embed texts: one row per input text, float32 unless another precision is asked.
 
@@ -66,7 +67,7 @@ def encode(
     cal = CorpusInput.open(calibration, inp.format, field, column) if calibration is not None else None
     job = EncodeJob(model=model, input=inp, out=output, prompt=prompt, dim=dim, precision=precision, dtype=dtype,
                     max_length=max_length, chunk_rows=chunk_size, batch_size=batch_size, device=device,
-                    calibration=cal, pooling=pooling)
+                    calibration=cal, pooling=pooling, backend=backend)
     nproc = o.processes(nproc)
     if nproc == 1:
         rows, width, out_dtype = encode_corpus(job, show_progress=not quiet)
@@ -86,7 +87,7 @@ def _worker_argv(model: str, src: Path, job, calibration: Path | None, quiet: bo
     """The command line of one rank: this job's options, without --nproc."""
     argv = [model, str(src), "--out", str(job.out), "--format", job.input.format, "--precision", job.precision,
             "--dtype", job.dtype, "--batch-size", str(job.batch_size), "--chunk-size", str(job.chunk_rows),
-            "--device", job.device]
+            "--device", job.device, "--backend", job.backend]
     for flag, value in (("--field", job.input.field), ("--column", job.input.column), ("--prompt", job.prompt),
                         ("--dim", job.dim), ("--max-length", job.max_length), ("--calibration", calibration),
                         ("--pooling", job.pooling)):

@@ -44,6 +44,7 @@ def serve(
     graceful_timeout: float = typer.Option(30.0, help="seconds to finish requests in flight after SIGTERM; then "
                                            "503 for those left and exit"),
     pooling: o.Pooling = typer.Option(None, help="how token states become one vector (default: the model's)"),
+    backend: o.Backend = o.backend_option(),
 ) -> None:
     """Serve a model over HTTP: POST /v1/embeddings (OpenAI's shape), /v1/models, /health, /metrics."""
     from moembed.serve.config import ServeConfig
@@ -56,7 +57,7 @@ def serve(
         auto_truncate=auto_truncate, api_key=api_key, graceful_timeout=graceful_timeout,
         max_share_tokens=max_share_tokens, max_request_bytes=max_request_bytes, max_buffered_bytes=max_buffered_bytes,
         max_chars=max_chars, read_timeout=read_timeout, api_key_file=api_key_file,
-        pooling=pooling,
+        pooling=pooling, backend=backend,
     )
     run(config)
     # Every request has been answered and logged: leave without the interpreter's teardown, which spends seconds

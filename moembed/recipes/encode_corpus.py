@@ -66,6 +66,7 @@ class EncodeJob:
     device: str = "auto"
     calibration: CorpusInput | None = None
     pooling: str | None = None  # replaces the model's pooling (`Embedder.load(pooling=)`)
+    backend: str = "auto"  # how inference runs (`Embedder.load(backend=)`, moembed.model.backends)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -123,7 +124,8 @@ def load_model(job: EncodeJob):
         device = torch.device("cuda", dist.local_rank())
     # int8 refused off the CPU before the weights are read (`resolve_dtype`)
     emb = Embedder.load(job.model, max_length=job.max_length, device=str(device),
-                        dtype=INT8 if job.dtype == INT8 else "float32", pooling=job.pooling)
+                        dtype=INT8 if job.dtype == INT8 else "float32", pooling=job.pooling,
+                        backend=job.backend)
     if job.dtype == INT8:
         from moembed.model.linear import int8_path
 

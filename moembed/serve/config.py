@@ -34,6 +34,7 @@ class ServeConfig(BaseModel):
     # auto: bf16 autocast on an accelerator, float32 on CPU; int8: dynamic int8 matmuls (CPU only)
     dtype: Literal["auto", "float32", "bf16", "int8"] = "auto"
     pooling: str | None = None  # replaces the model's pooling (`Embedder.load(pooling=)`); None: the model's
+    backend: str = "auto"  # how inference runs (`Embedder.load(backend=)`, moembed.model.settings.BACKENDS)
 
     # dynamic batching (batcher.py)
     max_batch_tokens: int | None = Field(None, ge=1)  # padded tokens per forward; None: see batch_tokens()
@@ -51,6 +52,15 @@ class ServeConfig(BaseModel):
     read_timeout: float = Field(30.0, gt=0)  # seconds to receive a request body; beyond: 408
     api_key: SecretStr | None = None  # Bearer key required on every endpoint but /health
     graceful_timeout: float = Field(30.0, gt=0)  # seconds to finish requests in flight after SIGTERM
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        from moembed.model.settings import BACKENDS
+
+        if v not in BACKENDS:
+            raise ValueError(f"unknown backend {v!r}; choose one of {', '.join(BACKENDS)}")
+        return v
 
     @field_validator("device")
     @classmethod

@@ -89,13 +89,14 @@ class EmbedderEngine:
 
     @classmethod
     def load(cls, path: str, device: str = "auto", dtype: str = "auto", name: str | None = None,
-             pooling: str | None = None) -> "EmbedderEngine":
+             pooling: str | None = None, backend: str = "auto") -> "EmbedderEngine":
         from moembed.model.embedder import Embedder
 
         dev = resolve_device(device)
         bf16 = dev.type != "cpu" if dtype == "auto" else dtype == "bf16"
         # int8: refused off the CPU before the weights are read (`resolve_dtype`)
-        emb = Embedder.load(path, device=str(dev), dtype=INT8 if dtype == INT8 else "float32", pooling=pooling)
+        emb = Embedder.load(path, device=str(dev), dtype=INT8 if dtype == INT8 else "float32", pooling=pooling,
+                            backend=backend)
         return cls(emb, dev, bf16, name)
 
     @property

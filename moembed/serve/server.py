@@ -64,7 +64,8 @@ def run(config: ServeConfig) -> None:
     # 8.2-8.6 ms of forward pass instead of 4.3-4.9 (Zen 4; BENCHMARKS.md, "two torch threads").
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = EmbedderEngine.load(config.model, config.device, config.dtype, config.served_model_name, config.pooling)
+    engine = EmbedderEngine.load(config.model, config.device, config.dtype, config.served_model_name, config.pooling,
+                                 config.backend)
     server = uvicorn_server(build_app(engine, config, threads=threads), config)
     # uvicorn re-raises the signal it caught once it has shut down gracefully; by then all work is done, so
     # SIGTERM ends the process with status 0 instead of "killed by SIGTERM".
