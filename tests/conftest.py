@@ -69,3 +69,4 @@ def tiny_dir(tmp_path_factory, minilm_path) -> Path:
     d = tmp_path_factory.mktemp("m") / "tiny"
     Embedder(Encoder(tiny_config(vocab_size=30522)), TextTokenizer.from_dir(minilm_path, 32)).save(d)
     return d
+

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from moembed.errors import MoembedError
+from nomic_helpers import save_tiny_nomic
 from moembed.model.embedder import Embedder
 from moembed.model.families import converter_for, exporter_for
 from moembed.model.families.nomic_bert import CONVERTER
@@ -48,20 +49,8 @@ def _mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def hf_nomic(tmp_path, minilm_path):
     """A tiny random transformers NomicBertModel saved with save_pretrained (LayerNorms perturbed too)."""
-    from transformers import NomicBertConfig, NomicBertModel
-
-    torch.manual_seed(0)
-    cfg = NomicBertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=48, max_position_embeddings=64, layer_norm_eps=1e-5,
-                          initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
-    model = NomicBertModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
     path = tmp_path / "hf"
-    model.save_pretrained(path)
-    _copy_tokenizer(minilm_path, path)
-    return model, path
+    return save_tiny_nomic(path, minilm_path), path
 
 
 def test_transformers_nomic_bert_parity_forward_and_backward(hf_nomic):

@@ -4,7 +4,6 @@ sentence-transformers pools them: moembed's vectors against those of the install
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from moembed.errors import MoembedError
+from nomic_helpers import save_tiny_nomic
 from moembed.model.embedder import Embedder
 from moembed.model.io import export_sentence_transformers
 from moembed.model.pooling import ST_POOLING
@@ -152,31 +152,13 @@ def test_export_is_read_by_sentence_transformers_and_its_save_back(make_tiny, tm
 # ---- bare checkpoints -------------------------------------------------------------------------------------------
 
 
-def save_nomic(out, minilm_path) -> None:
-    """A tiny random transformers NomicBertModel, as tests/test_nomic_bert.py builds it."""
-    from transformers import NomicBertConfig, NomicBertModel
-
-    torch.manual_seed(0)
-    cfg = NomicBertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=48, max_position_embeddings=64, layer_norm_eps=1e-5,
-                          initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
-    model = NomicBertModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        if (minilm_path / f).exists():
-            shutil.copy(minilm_path / f, out / f)
-
-
 @pytest.fixture(params=["bert", "roberta", "xlm-roberta", "nomic_bert"])
 def bare(request, tmp_path, minilm_path):
     from test_families import save_tiny
 
     path = tmp_path / request.param
     if request.param == "nomic_bert":
-        save_nomic(path, minilm_path)
+        save_tiny_nomic(path, minilm_path)
     else:
         save_tiny(request.param, path, minilm_path)
     assert not (path / "modules.json").exists()
