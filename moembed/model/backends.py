@@ -3,12 +3,14 @@
     emb = Embedder.load(path, backend="auto")    # "auto" | "torch" | "fast"  (moembed encode|eval|serve --backend)
     emb.backend.name, emb.backend.path("linear"), emb.backend.why("moe")
 
-A backend is a name for a `Settings` (`settings.BACKENDS`): "torch" runs plain torch ops only (the reference),
+A backend is a name for a `Settings` (`settings.BACKENDS`): "torch" runs the plain layers only (the reference),
 "fast" every CPU fast path wherever this torch build and a C compiler have it, "auto" each where it was measured
 faster on this CPU (and MOEMBED_NO_FASTPATH, read once here, overrides: 0 as "fast", 1 as "torch"). `use` gives
-the settings to every layer of the model and returns a frozen `Backend` record: per layer kind the path its
-inference takes on this device and precision, and why; it is logged once (logger "moembed"), at load. Training
-passes always take the plain layers, whatever the backend.
+the settings to every layer, decides per layer kind the path its inference takes on this device and precision
+(`describe`), swaps the plain layers for the modules of that path (`moembed.model.fast`: `PackedLinear`,
+`PackedExperts` combined in place, `GroupedExperts`, `CompiledAttention`) and returns the frozen `Backend` record,
+logged once (logger "moembed"). Training passes through a swapped layer take its plain forward; `for_training`
+gives a model the grouped expert matmuls wherever torch has a grouped kernel for the training precision.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ import torch
 import torch.nn as nn
 
 from moembed.model import cpu, native
-from moembed.model.experts import grouped_support
-from moembed.model.linear import int8_path
-from moembed.model.quantize import is_int8
+from moembed.model.experts import Experts
+from moembed.model.fast import plain, swap
+from moembed.model.fast.experts import GroupedExperts, Int8Experts, PackedExperts, grouped_support
+from moembed.model.fast.int8 import Int8Linear, int8_path
+from moembed.model.fast.moe import InPlaceMoEBlock
+from moembed.model.fast.packed import PackedLinear
+from moembed.model.linear import Linear
 from moembed.model.moe import MoEBlock
+from moembed.model.quantize import is_int8
 from moembed.model.settings import BACKENDS, Settings, apply
 
 log = logging.getLogger("moembed")
@@ -118,22 +125,65 @@ def _why_plain(settings: Settings, autocast: torch.dtype | None) -> str:
     return f"packed weights do not pay where torch runs {cpu.capability()} kernels"
 
 
-def record(model: nn.Module, name: str, settings: Settings, autocast: torch.dtype | None = None) -> Backend:
-    """The `Backend` of `model` (its layers given `settings` already), on its device under `autocast`; logged once
-    here, where a model is loaded."""
+def setup(model: nn.Module, name: str, settings: Settings, autocast: torch.dtype | None = None) -> Backend:
+    """Swap the layers of `model` (an Encoder or Embedder, its layers given `settings` already) for the modules of
+    the paths its inference takes on its device under `autocast` (int8 layers, `quantize.quantize_int8`'s, stay),
+    and return the `Backend` record of them; logged once here, where a model is loaded."""
     device = next(model.parameters()).device
     moe = any(isinstance(m, MoEBlock) for m in model.modules())
     backend = describe(name, settings, device, autocast, is_int8(model), moe)
+    linear, experts = backend.path("linear"), backend.path("moe") if moe else None
+    in_place = experts in ("int8-loop", "packed-loop", "packed-bf16-loop")
+    dtype = torch.bfloat16 if (linear == "packed-bf16") else torch.float32
+
+    def choose(m: nn.Module) -> nn.Module | None:
+        if isinstance(m, (Int8Linear, Int8Experts)):
+            return None
+        if isinstance(m, Linear):
+            return PackedLinear.from_plain(plain(m), dtype) if linear.startswith("packed") else plain(m)
+        if isinstance(m, MoEBlock):
+            return InPlaceMoEBlock.from_plain(plain(m)) if in_place else plain(m)
+        if isinstance(m, Experts):
+            if experts in ("packed-loop", "packed-bf16-loop"):
+                return PackedExperts.from_plain(plain(m), dtype)
+            return GroupedExperts.from_plain(plain(m)) if experts == "grouped" else plain(m)
+        return None
+
+    swap(model, choose)
     log.info("%s", backend)
     return backend
 
 
 def use(model: nn.Module, name: str = "auto", autocast: torch.dtype | None = None) -> Backend:
-    """Give every layer of `model` (an Encoder or Embedder) the settings of backend `name` (`BACKENDS`), and return
-    (and log) the record of what its inference takes on its device under `autocast`."""
+    """Give every layer of `model` (an Encoder or Embedder) the settings of backend `name` (`BACKENDS`), swap its
+    layers for those of the paths its inference takes on its device under `autocast`, and return (and log) the
+    record of them."""
     settings = Settings.for_backend(name)
     apply(model, settings)
-    return record(model, name, settings, autocast)
+    return setup(model, name, settings, autocast)
 
 
-__all__ = ["BACKENDS", "Backend", "LayerPath", "describe", "record", "use"]
+def for_training(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Give every MoE block of `model` grouped expert matmuls (`GroupedExperts`) where torch prefers them on
+    `device` in `dtype` (the training precision); True if it did. The rest of the model keeps its layers (their
+    training passes are the plain ones)."""
+    if not grouped_support(device, dtype).preferred:
+        return False
+    swap(model, lambda m: GroupedExperts.from_plain(plain(m)) if isinstance(m, Experts)
+         and not isinstance(m, GroupedExperts) else None)
+    return any(isinstance(m, GroupedExperts) for m in model.modules())
+
+
+EXPERT_KINDS = ("loop", "grouped")
+
+
+def use_experts(model: nn.Module, kind: str) -> nn.Module:
+    """Run every expert set of `model` as `kind`: "loop" (the plain `Experts`, the reference) or "grouped"
+    (`GroupedExperts`, wherever torch has the kernel for a call's device and dtype); returns `model`."""
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"experts: expected one of {', '.join(EXPERT_KINDS)}, got {kind!r}")
+    make = GroupedExperts.from_plain if kind == "grouped" else (lambda m: m)
+    return swap(model, lambda m: make(plain(m)) if isinstance(m, Experts) else None)
+
+
+__all__ = ["BACKENDS", "Backend", "LayerPath", "describe", "for_training", "setup", "use", "use_experts"]

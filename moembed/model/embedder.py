@@ -439,7 +439,7 @@ class Embedder(nn.Module):
                 quantize_int8(emb)
             except RuntimeError as e:
                 raise MoembedError(f"dtype: {e}") from None  # e: "int8: ..."
-        emb.backend = backends.record(emb, backend, settings, amp)
+        emb.backend = backends.setup(emb, backend, settings, amp)
         return emb
 
     def save(self, path: str | Path, card: CardInfo | None = None) -> None:

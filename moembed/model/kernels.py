@@ -9,7 +9,7 @@
 
 `rowquant.c`: the int8 path's per-row work around oneDNN's quantised matmul (the row's range, its codes on the
 grid, the rescale with bias and GELU), one pass over a row while it is in cache instead of one torch op per step
-over the batch, the codes those of torch's quantiser to the bit (`moembed.model.linear.int8_linear`).
+over the batch, the codes those of torch's quantiser to the bit (`moembed.model.fast.int8.int8_linear`).
 `combine.c`: an MoE block's gate-weighted sum of each token's k expert rows, read from the buffers the experts
 wrote (`moembed.model.moe`). `attention.c`: encoder self-attention at CPU inference (`moembed.model.attention`).
 `moembed.model.native` builds them. A C loop trusts its pointers, so each function here checks device, dtype,

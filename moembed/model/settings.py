@@ -83,7 +83,7 @@ class Settings:
         return not self.off
 
     def pad_rows(self) -> bool:
-        """Expert rows padded to a multiple of `experts.ROW_MULTIPLE` for oneDNN's per-shape kernels."""
+        """Expert rows padded to a multiple of `fast.experts.ROW_MULTIPLE` for oneDNN's per-shape kernels."""
         return not self.off
 
     def int8_kernel(self, flags: dict | None = None) -> str:

@@ -100,14 +100,14 @@ class QuickTrain(_Strict):
     aux_loss_coef: float = Field(1.0, ge=0)
     max_query_length: int = Field(32, ge=4)
     max_doc_length: int = Field(96, ge=4)
-    bf16: bool | Literal["auto"] = "auto"  # auto: where bf16 matmuls are native (moembed.model.linear.bf16_is_fast)
+    bf16: bool | Literal["auto"] = "auto"  # auto: where bf16 matmuls are native (moembed.model.cpu.bf16_is_fast)
     checkpoint_every: int = Field(50, ge=1)
 
     def bf16_on(self, device: str) -> bool:
         """Whether training autocasts to bf16 on `device` ("auto" resolved there, not in the stored config)."""
         if self.bf16 != "auto":
             return self.bf16
-        from moembed.model.linear import bf16_is_fast
+        from moembed.model.cpu import bf16_is_fast
 
         return bf16_is_fast(device)
 

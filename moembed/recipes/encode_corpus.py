@@ -127,7 +127,7 @@ def load_model(job: EncodeJob):
                         dtype=INT8 if job.dtype == INT8 else "float32", pooling=job.pooling,
                         backend=job.backend)
     if job.dtype == INT8:
-        from moembed.model.linear import int8_path
+        from moembed.model.fast.int8 import int8_path
 
         log.info("int8 matmuls on %s", int8_path())
     if job.dim is not None and not 1 <= job.dim <= emb.dim:

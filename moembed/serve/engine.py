@@ -19,7 +19,7 @@ import torch
 
 from moembed.devices import INT8, resolve_device
 from moembed.errors import MoembedError
-from moembed.model.linear import int8_kernel
+from moembed.model.fast.int8 import int8_kernel
 from moembed.model.prompts import prompt_lengths
 
 # API input_type → the model's prompt name (nomic-embed-v1 §4 task prefixes). A model without that prompt

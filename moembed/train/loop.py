@@ -33,6 +33,7 @@ from moembed.devices import resolve_device
 from moembed.errors import MoembedError
 from moembed.fileio import atomic_path
 from moembed.heap import allocator
+from moembed.model import backends
 from moembed.model.recompute import set_recompute
 from moembed.train.build import build_model, check_paths
 from moembed.train.card import training_card
@@ -114,6 +115,8 @@ class Trainer:
         self.embedder = self.stage.embedder(self.module)
         self.stream = self.stage.build_stream(self.embedder.tokenizer, self.stats, self.rank, self.world)
         self.module.to(self.device).train()
+        # grouped expert matmuls where torch has the kernel for this device and precision (moembed.model.backends)
+        backends.for_training(self.module, self.device, torch.bfloat16 if cfg.bf16 else torch.float32)
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.optim, cfg.steps)
         # Embedding tables' gradients from the rows each step looked up, written after its backward (bitwise the
         # same; train/row_grads.py). One process only: the gradient sync of several waits on autograd's own path.
