@@ -167,11 +167,15 @@ def for_training(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     """Give every MoE block of `model` grouped expert matmuls (`GroupedExperts`) where torch prefers them on
     `device` in `dtype` (the training precision); True if it did. The rest of the model keeps its layers (their
     training passes are the plain ones)."""
-    if not grouped_support(device, dtype).preferred:
+    support = grouped_support(device, dtype)
+    if not support.preferred:
         return False
     swap(model, lambda m: GroupedExperts.from_plain(plain(m)) if isinstance(m, Experts)
          and not isinstance(m, GroupedExperts) else None)
-    return any(isinstance(m, GroupedExperts) for m in model.modules())
+    grouped = any(isinstance(m, GroupedExperts) for m in model.modules())
+    if grouped:
+        log.info("training: experts as grouped matmuls (%s)", support.detail)
+    return grouped
 
 
 EXPERT_KINDS = ("loop", "grouped")
