@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from moembed.model import cpu, native
 from moembed.model.experts import grouped_support
+from moembed.model.fast.attention import use_compiled
 from moembed.model.linear import int8_path
 from moembed.model.quantize import is_int8
 from moembed.model.moe import MoEBlock
@@ -120,10 +121,11 @@ def _why_plain(settings: Settings, autocast: torch.dtype | None) -> str:
 
 def record(model: nn.Module, name: str, settings: Settings, autocast: torch.dtype | None = None) -> Backend:
     """The `Backend` of `model` (its layers given `settings` already), on its device under `autocast`; logged once
-    here, where a model is loaded."""
+    here, where a model is loaded. Its attention modules are swapped to the path the record names."""
     device = next(model.parameters()).device
     moe = any(isinstance(m, MoEBlock) for m in model.modules())
     backend = describe(name, settings, device, autocast, is_int8(model), moe)
+    use_compiled(model, backend.path("attention") == "compiled")
     log.info("%s", backend)
     return backend
 
