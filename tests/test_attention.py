@@ -301,6 +301,15 @@ def test_swaps_keep_the_configuration_and_the_state_dict(monkeypatch):
     assert list(enc.state_dict()) == keys
 
 
+def test_the_layer_attention_dropout_is_its_cores():
+    # finetuning sets layer.attention_dropout (moembed.recipes.training): it must reach the module that drops
+    enc = Encoder(tiny_config(attention_dropout=0.1))
+    layer = enc.layers[0]
+    assert (layer.attention_dropout, layer.core.dropout) == (0.1, 0.1)
+    layer.attention_dropout = 0.0
+    assert layer.core.dropout == 0.0 and CompiledAttention.from_plain(layer.core).dropout == 0.0
+
+
 @needs_compiled
 @pytest.mark.parametrize(("switch", "pays", "compiled"), [("auto", True, True), ("auto", False, False),
                                                           ("on", False, True), ("off", True, False)])
