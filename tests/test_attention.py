@@ -8,13 +8,13 @@ spy on the function it calls sees it) on the calls it takes and the plain forwar
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moembed.model.attention as attention
 import moembed.model.fast.attention as fast
+from moembed.errors import MoembedError
 from moembed.model import backends, cpu, kernels
 from moembed.model.attention import Attention, attend, compute_dtype
 from moembed.model.encoder import Encoder, _Context
@@ -308,6 +308,8 @@ def test_the_layer_attention_dropout_is_its_cores():
     assert (layer.attention_dropout, layer.core.dropout) == (0.1, 0.1)
     layer.attention_dropout = 0.0
     assert layer.core.dropout == 0.0 and CompiledAttention.from_plain(layer.core).dropout == 0.0
+    with pytest.raises(MoembedError, match="dropout 1.0"):
+        Attention(2, 32, dropout=1.0)
 
 
 @needs_compiled

@@ -82,7 +82,8 @@ class Attention(UsesSettings, nn.Module):
     def __init__(self, num_heads: int, head_dim: int, dropout: float = 0.0):
         super().__init__()
         if num_heads < 1 or head_dim < 1 or not 0.0 <= dropout < 1.0:
-            raise MoembedError(f"Attention: num_heads {num_heads}, head_dim {head_dim}, dropout {dropout}")
+            raise MoembedError(f"Attention: expected num_heads >= 1, head_dim >= 1 and 0 <= dropout < 1, got "
+                               f"num_heads {num_heads}, head_dim {head_dim}, dropout {dropout}")
         self.num_heads, self.head_dim, self.dropout = num_heads, head_dim, dropout
 
     def extra_repr(self) -> str:
