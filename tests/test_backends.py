@@ -14,6 +14,9 @@ import torch
 
 from moembed.errors import MoembedError
 from moembed.model import cpu, kernels, native
+from moembed.model.attention import Attention
+from moembed.model.fast import attention as fast_attention
+from moembed.model.fast.attention import CompiledAttention
 from moembed.model.config import MoEConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
@@ -69,6 +72,7 @@ def test_load_records_the_backend_and_its_settings_reach_every_layer(moe_dir, ca
         emb.backend.name = "fast"  # a record, not a switch
     assert emb.backend.path("linear") == "plain" and _types(emb, Linear) == {Linear}
     assert _types(emb, MoEBlock) == {MoEBlock} and _types(emb, Experts) == {EXPERTS[emb.backend.path("moe")]}
+    assert emb.backend.path("attention") == "torch" and _types(emb, Attention) == {Attention}
     fast = calls_of(monkeypatch, packed, "packed_linear")
     emb.encode(TEXTS)
     assert not fast  # no packed kernel ran
@@ -81,11 +85,12 @@ def test_fast_backend_takes_every_fast_path_and_its_record_says_so(moe_dir, monk
     assert (emb.backend.path("linear"), emb.backend.path("attention"), emb.backend.path("moe")) == (
         "packed", "compiled", "packed-loop")
     assert _types(emb, Linear) == {PackedLinear} and _types(emb, MoEBlock) == {InPlaceMoEBlock}
-    assert _types(emb, Experts) == {PackedExperts}
+    assert _types(emb, Experts) == {PackedExperts} and _types(emb, Attention) == {CompiledAttention}
     dense, combined = calls_of(monkeypatch, packed, "packed_linear"), calls_of(monkeypatch, kernels, "combine_rows")
+    attended = calls_of(monkeypatch, fast_attention, "packed_attention")
     emb.encode(TEXTS)
     # qkv, out and the dense MLP's fc1/fc2 of layer 0; qkv and out of layer 1 (its MLP is the MoE block)
-    assert len(dense) == 6 and len(combined) == 1
+    assert len(dense) == 6 and len(combined) == 1 and len(attended) == 2
 
 
 @pytest.mark.parametrize("backend", ["auto", "fast"])

@@ -10,7 +10,8 @@ import torch
 from moembed.errors import MoembedError
 
 import moembed.model.linear as linear
-from moembed.model import kernels, native
+from moembed.model import backends, kernels, native
+from moembed.model.attention import Attention
 from moembed.model.quantize import quantize_int8
 from moembed.model.settings import Settings
 
@@ -51,9 +52,10 @@ def test_without_a_compiler_int8_and_attention_run_torch_ops(fresh_cache, monkey
     emb = make_tiny("bert")
     if linear.int8_available():
         quantize_int8(emb)
+    assert backends.record(emb, "fast", Settings("on")).path("attention") == "torch"  # asked for, not built
     assert emb.encode(["a text", "another, longer text"]).shape[0] == 2
     layer = emb.encoder.layers[0]
-    assert layer.last_attention_kernel == "torch"
+    assert type(layer.core) is Attention  # the plain module: nothing swapped in
     assert layer.qkv.last_path == ("int8" if linear.int8_available() else "packed")
     assert not fresh_cache.exists()  # nothing was built, nothing half-built left behind
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from moembed.model import cpu, native
 from moembed.model.experts import Experts
 from moembed.model.fast import plain, swap
+from moembed.model.fast.attention import use_compiled
 from moembed.model.fast.experts import GroupedExperts, Int8Experts, PackedExperts, grouped_support
 from moembed.model.fast.int8 import Int8Linear, int8_path
 from moembed.model.fast.moe import InPlaceMoEBlock
@@ -150,6 +151,7 @@ def setup(model: nn.Module, name: str, settings: Settings, autocast: torch.dtype
         return None
 
     swap(model, choose)
+    use_compiled(model, backend.path("attention") == "compiled")
     log.info("%s", backend)
     return backend
 
