@@ -97,6 +97,8 @@ def describe(name: str, settings: Settings, device: torch.device, autocast: torc
         paths.append(LayerPath("attention", "torch", f"torch's scaled_dot_product_attention ({why})"))
     if moe:
         built = native.why_not("combine") if int8 or linear.path in ("packed", "packed-bf16") else None
+        if built is None and not settings.compiled_loops():
+            built = "fast paths off"
         combine = "combined by combine.c" if built is None else f"combined by torch ops ({built})"
         if int8:
             paths.append(LayerPath("moe", "int8-loop", f"expert loop on int8 weights, {combine}"))
