@@ -4,13 +4,13 @@
 
 Under bf16 autocast the grouped experts' float32 weights are cast to bf16 once per weight version
 (`GroupedExperts._weights_as`), and the cast enters each pass's graph through a node whose backward casts the
-gradient back to float32. A contrastive step runs three passes (queries, positive documents, hard negatives) and one backward. "shared" is
-moembed's way: the passes share one node per weight, so backward sums their gradients in bf16 and casts once;
-"per pass" makes a node for each pass (three casts back and two float32 accumulations into the weights'
-gradients, over 4x the dense MLP's parameters). One MoE block of all-MiniLM-L6-v2's shape (d 384, i 1,536,
+gradient back to float32. A contrastive step runs three passes (queries, positive documents, hard negatives) and one
+backward. "shared" is moembed's way: the passes share one node per weight, so backward sums their gradients in bf16
+and casts once; "per pass" makes a node for each pass (three casts back and two float32 accumulations into the
+weights' gradients, over 4x the dense MLP's parameters). One MoE block of all-MiniLM-L6-v2's shape (d 384, i 1,536,
 8 experts, top-2, grouped dispatch) on 900, 2,200 and 2,200 tokens (the quickstart's 32 queries and 2 x 32
-documents), forward, backward and a fused AdamW step; the two variants alternate, medians of process CPU time
-(wall time on a GPU, synchronised) after two warm-up rounds.
+documents), forward, backward and a fused AdamW step; the two variants alternate, medians of process CPU time (wall
+time on a GPU, synchronised) after two warm-up rounds.
 """
 
 from __future__ import annotations
