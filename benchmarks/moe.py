@@ -57,10 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sentences import news_sentences  # noqa: E402
 
 from moembed.losses.moe_aux import load_balancing_loss  # noqa: E402
+from moembed.model import backends  # noqa: E402
 from moembed.model.convert.upcycle import upcycle  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
 from moembed.model.encoder import GeluMLP  # noqa: E402
-from moembed.model import backends  # noqa: E402
 from moembed.model.experts import Experts  # noqa: E402
 from moembed.model.fast.experts import GroupedExperts, Int8Experts, PackedExperts  # noqa: E402
 from moembed.train.config import OptimConfig  # noqa: E402
@@ -284,7 +284,8 @@ def main() -> None:
         rt = f"{med(train[v], i) / med(train['dense'], i):.2f}" if "dense" in train else "-"
         re_ = f"{med(enc[v], i) / med(enc['dense'], i):.2f}" if "dense" in enc else "-"
         print(f"{v:<12} {tw:9.3f} {tc:9.3f} {rt:>8} {ew:9.2f} {ec:9.2f} {re_:>8}  {paths.get(v, '')}")
-    for a, b in (("moe-unpadded", "moe-auto"), ("moe-loop", "moe-grouped"), ("moe-auto", "dense-wide"), ("moe-auto", "st-dense"), ("moe-top1", "dense")):
+    for a, b in (("moe-unpadded", "moe-auto"), ("moe-loop", "moe-grouped"), ("moe-auto", "dense-wide"),
+                 ("moe-auto", "st-dense"), ("moe-top1", "dense")):
         if a in train and b in train:
             # Also the median of the per-repetition ratios: each pair ran back to back, under the same load.
             pair = lambda xs, ys: statistics.median(x[i] / y[i] for x, y in zip(xs, ys))  # noqa: E731
