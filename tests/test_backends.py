@@ -171,3 +171,32 @@ def test_encode_and_serve_load_with_the_backend_asked_for(moe_dir, tmp_path):
     assert ServeConfig.from_flags(model=str(moe_dir), backend="fast").backend == "fast"
     with pytest.raises(MoembedError, match="--backend: unknown backend 'nope'"):
         ServeConfig.from_flags(model=str(moe_dir), backend="nope")
+
+
+def test_packed_layers_serve_each_precision_the_settings_pack_for(moe_dir, monkeypatch):
+    """A model loaded in float32 and asked for a bf16 encode (`encode(bf16=True)`) runs packed bf16 weights where
+    bf16 matmuls are native: a packed layer serves every precision its settings pack for, each with its own packed
+    copy. The kernels are faked here (this CPU may lack bf16 packing): what is checked is which copy each call asks
+    for, and that a precision not packed for runs the plain layer."""
+    monkeypatch.setattr(Settings, "packing", lambda self: not self.off)
+    monkeypatch.setattr(Settings, "bf16_packing", lambda self: not self.off)
+    emb = Embedder.load(moe_dir, backend="fast")
+    assert {m.dtypes for m in _layers(emb, Linear)} == {(torch.float32, torch.bfloat16)}
+    assert {m.dtypes for m in _layers(emb, Experts)} == {(torch.float32, torch.bfloat16)}
+    made = []
+    monkeypatch.setattr(packed, "pack", lambda w, dtype: made.append(dtype) or w.detach().to(dtype))
+    monkeypatch.setattr(packed, "packed_linear", lambda x, w, b, gelu=False: torch.nn.functional.linear(
+        x.to(w.dtype), w, None if b is None else b.to(w.dtype)))
+    lin = next(m for m in _layers(emb, Linear))
+    x = torch.randn(3, lin.in_features)
+    with torch.no_grad():
+        lin(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert lin(x).dtype == torch.bfloat16
+        lin(x), lin(x)  # cached: packed once per precision
+    assert made == [torch.float32, torch.bfloat16]
+    only = PackedLinear.from_plain(plain_linear := Linear(4, 2).eval())  # float32 only
+    assert only.dtypes == (torch.float32,) and plain_linear.weight is only.weight
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        only(torch.randn(1, 4))
+    assert made == [torch.float32, torch.bfloat16]  # the bf16 call ran the plain layer

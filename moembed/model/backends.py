@@ -136,19 +136,22 @@ def setup(model: nn.Module, name: str, settings: Settings, autocast: torch.dtype
     moe = any(isinstance(m, MoEBlock) for m in model.modules())
     backend = describe(name, settings, device, autocast, is_int8(model), moe)
     linear, experts = backend.path("linear"), backend.path("moe") if moe else None
+    # Packed weights serve every inference precision the settings pack for on this CPU, not only the one loaded
+    # for: `Embedder.encode(bf16=True)` on a float32 model runs packed bf16 weights where bf16 matmuls are native.
+    dtypes = () if not linear.startswith("packed") else tuple(
+        d for d, on in ((torch.float32, settings.packing()), (torch.bfloat16, settings.bf16_packing())) if on)
     in_place = experts in ("int8-loop", "packed-loop", "packed-bf16-loop")
-    dtype = torch.bfloat16 if (linear == "packed-bf16") else torch.float32
 
     def choose(m: nn.Module) -> nn.Module | None:
         if isinstance(m, (Int8Linear, Int8Experts)):
             return None
         if isinstance(m, Linear):
-            return PackedLinear.from_plain(plain(m), dtype) if linear.startswith("packed") else plain(m)
+            return PackedLinear.from_plain(plain(m), *dtypes) if dtypes else plain(m)
         if isinstance(m, MoEBlock):
             return InPlaceMoEBlock.from_plain(plain(m)) if in_place else plain(m)
         if isinstance(m, Experts):
             if experts in ("packed-loop", "packed-bf16-loop"):
-                return PackedExperts.from_plain(plain(m), dtype)
+                return PackedExperts.from_plain(plain(m), *dtypes)
             return GroupedExperts.from_plain(plain(m)) if experts == "grouped" else plain(m)
         return None
 

@@ -25,7 +25,7 @@ from moembed.model.activations import INPLACE_ACTIVATIONS
 from moembed.model.experts import Experts
 from moembed.model.fast import swapped
 from moembed.model.fast.int8 import Int8Setup, fused_rows, int8_linear, int8_weights
-from moembed.model.fast.packed import WeightCache, cached, inference_pass, pack, packed_linear, pass_for
+from moembed.model.fast.packed import WeightCache, cached, inference_pass, pack, packed_linear, pass_dtype
 from moembed.model.recompute import then_recomputed
 
 # oneDNN makes (JIT-compiles) a primitive for every matmul shape it has not seen, and an expert sees a new row count
@@ -213,33 +213,35 @@ class GroupedExperts(Experts):
 
 
 class PackedExperts(Experts):
-    """`Experts` on oneDNN-packed weights in `dtype` (float32, or bf16 under bf16 autocast where bf16 matmuls are
-    native) at CPU inference, as `fast.packed.PackedLinear` does for dense layers."""
+    """`Experts` on oneDNN-packed weights at CPU inference, for the passes of `dtypes` (float32 and/or bf16 under
+    bf16 autocast where bf16 matmuls are native), as `fast.packed.PackedLinear` does for dense layers."""
 
-    dtype: torch.dtype = torch.float32
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     row_multiple = ROW_MULTIPLE  # the dispatch pads each expert's rows to a multiple of this
 
     @classmethod
-    def from_plain(cls, experts: Experts, dtype: torch.dtype = torch.float32) -> PackedExperts:
-        return swapped(experts, cls, dtype=dtype, weight_cache=WeightCache())
+    def from_plain(cls, experts: Experts, *dtypes: torch.dtype) -> PackedExperts:
+        return swapped(experts, cls, dtypes=dtypes or (torch.float32,), weight_cache=WeightCache())
 
-    def applies(self, x: torch.Tensor) -> bool:
-        """Whether `parts` takes this call: the inference pass its dtype is for, float32 weights."""
-        return self.fc1_weight.dtype == torch.float32 and pass_for(self.dtype, self, x)
+    def serves(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype `parts` runs this call in (`packed.pass_dtype`, one of `dtypes`), or None: the plain loop."""
+        dtype = pass_dtype(self, x) if self.fc1_weight.dtype == torch.float32 else None
+        return dtype if dtype in self.dtypes else None
 
-    def _packed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        key = (self.dtype,) + tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
-        return cached(self.weight_cache, "packed", key, lambda: [
-            (pack(self.fc1_weight[e], self.dtype), pack(self.fc2_weight[e], self.dtype)) for e in range(self.num_experts)
+    def _packed(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = tuple((w.data_ptr(), w._version) for w in (self.fc1_weight, self.fc2_weight))
+        return cached(self.weight_cache, f"packed-{dtype}", key, lambda: [
+            (pack(self.fc1_weight[e], dtype), pack(self.fc2_weight[e], dtype)) for e in range(self.num_experts)
         ])
 
     def parts(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
-        """Each expert on its slice of x (M', d), slices of `sizes` rows (padded by the dispatch to multiples of
-        `row_multiple`, for the kernels' sake): one (sizes[e], d) output per expert in `dtype`, in a buffer of its own
-        (None for an expert without rows), for the in-place combine to read. Float32 biases are added in the kernel."""
-        packed, gelu = self._packed(), self.kind == "gelu"  # GELU as fc1's post-op (`packed.packed_linear`)
+        """Each expert on its slice of x (M', d) — already in the dtype `serves` gave — slices of `sizes` rows
+        (padded by the dispatch to multiples of `row_multiple`, for the kernels' sake): one (sizes[e], d) output per
+        expert in that dtype, in a buffer of its own (None for an expert without rows), for the in-place combine to
+        read. Float32 biases are added in the kernel."""
+        packed, gelu = self._packed(x.dtype), self.kind == "gelu"  # GELU as fc1's post-op (`packed.packed_linear`)
         out: list[torch.Tensor | None] = []
-        for e, p in enumerate(torch.split(x.to(self.dtype), sizes)):
+        for e, p in enumerate(torch.split(x, sizes)):
             if not p.shape[0]:
                 out.append(None)
                 continue
@@ -256,16 +258,15 @@ class Int8Experts(Experts):
 
     setup: Int8Setup
     fused: bool = False
-    dtype = torch.float32
     row_multiple = 1  # int8 slices are not padded
 
     @classmethod
     def from_plain(cls, experts: Experts, setup: Int8Setup) -> Int8Experts:
         return swapped(experts, cls, setup=setup, fused=fused_rows(experts.settings), weight_cache=WeightCache())
 
-    def applies(self, x: torch.Tensor) -> bool:
-        """Whether `parts` takes this call: a CPU float32 inference pass, float32 weights."""
-        return self.fc1_weight.dtype == torch.float32 and inference_pass(self, x)
+    def serves(self, x: torch.Tensor) -> torch.dtype | None:
+        """float32 where `parts` takes this call (a CPU float32 inference pass, float32 weights), else None."""
+        return torch.float32 if self.fc1_weight.dtype == torch.float32 and inference_pass(self, x) else None
 
     def parts(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor | None]:
         """Each expert on its slice of x (M, d), slices of `sizes` rows, on int8 weights with per-row quantised

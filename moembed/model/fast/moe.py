@@ -30,12 +30,13 @@ class InPlaceMoEBlock(MoEBlock):
         return swapped(block, cls, compiled=compiled)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not (isinstance(self.experts, (PackedExperts, Int8Experts)) and self.experts.applies(x)):
+        dtype = self.experts.serves(x) if isinstance(self.experts, (PackedExperts, Int8Experts)) else None
+        if dtype is None:
             return super().forward(x)
         r = self.route(x)
         counts = torch.bincount(r.experts.flatten(), minlength=self.num_experts)  # (E,)
         n = x.shape[0]
-        d = self.dispatch_padded(x.to(self.experts.dtype), r.experts, counts, self.experts.row_multiple)
+        d = self.dispatch_padded(x.to(dtype), r.experts, counts, self.experts.row_multiple)
         sizes = d.counts.tolist() if d.sizes is None else d.sizes
         parts = self.experts.parts(d.tokens, sizes)  # one (sizes[e], d) buffer per expert, or None
         bias = None if self.output_bias is None else self.output_bias.float()

@@ -34,11 +34,12 @@ def bf16_inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def pass_for(dtype: torch.dtype, module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether this call is the inference pass packed weights of `dtype` are for (float32: a float32 pass;
-    bfloat16: a pass under bf16 autocast), with the module's weights in float32."""
-    check = inference_pass if dtype == torch.float32 else bf16_inference_pass
-    return check(module, x)
+def pass_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype packed weights would serve this call in: float32 for a CPU float32 inference pass, bfloat16 for one
+    under bf16 autocast; None for any other call (training, a gradient, another device or precision)."""
+    if inference_pass(module, x):
+        return torch.float32
+    return torch.bfloat16 if bf16_inference_pass(module, x) else None
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,17 +78,19 @@ def cached(store: WeightCache, name: str, key: tuple, make):
 
 
 class PackedLinear(Linear):
-    """`Linear` on a oneDNN-packed copy of its weight in `dtype` (float32 or bfloat16) at CPU inference."""
+    """`Linear` on oneDNN-packed copies of its float32 weight at CPU inference, for the passes of `dtypes`
+    (float32 and/or bfloat16, `pass_dtype`: a model loaded in float32 may still be asked for a bf16 encode)."""
 
-    dtype: torch.dtype = torch.float32
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
 
     @classmethod
-    def from_plain(cls, linear: Linear, dtype: torch.dtype = torch.float32) -> PackedLinear:
-        return swapped(linear, cls, dtype=dtype, weight_cache=WeightCache())
+    def from_plain(cls, linear: Linear, *dtypes: torch.dtype) -> PackedLinear:
+        return swapped(linear, cls, dtypes=dtypes or (torch.float32,), weight_cache=WeightCache())
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-        if self.weight.dtype != torch.float32 or not pass_for(self.dtype, self, x):
+        dtype = pass_dtype(self, x) if self.weight.dtype == torch.float32 else None
+        if dtype not in self.dtypes:
             return super().forward(x, gelu=gelu)
-        key = (self.weight.data_ptr(), self.weight._version, self.dtype)
-        w = cached(self.weight_cache, "packed", key, lambda: pack(self.weight, self.dtype))
+        key = (self.weight.data_ptr(), self.weight._version)
+        w = cached(self.weight_cache, f"packed-{dtype}", key, lambda: pack(self.weight, dtype))
         return packed_linear(x, w, self.bias, gelu)
