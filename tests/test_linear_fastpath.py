@@ -18,6 +18,7 @@ import moembed.model.fast.experts as fast_experts
 import moembed.model.fast.int8 as fast_int8
 import moembed.model.fast.packed as fast_packed
 import moembed.model.linear as linear
+from moembed.errors import MoembedError
 from moembed.model import backends, cpu, kernels
 from moembed.model.config import MoEConfig
 from moembed.model.cpu import bf16_is_fast, int8_available
@@ -26,12 +27,12 @@ from moembed.model.fast.experts import Int8Experts
 from moembed.model.fast.int8 import Int8Linear, int8_kernel, int8_linear, pack_int8
 from moembed.model.fast.moe import InPlaceMoEBlock
 from moembed.model.fast.packed import PackedLinear
-from moembed.errors import MoembedError
 from moembed.model.linear import Linear
 from moembed.model.moe import MoEBlock
 from moembed.model.quantize import is_int8, quantize_int8
-from moembed.model.settings import Settings, UsesSettings, apply
+from moembed.model.settings import Settings, UsesSettings
 from spy import calls_of
+
 
 @pytest.fixture(scope="module")
 def sentences() -> list[str]:
