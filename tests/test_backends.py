@@ -13,15 +13,24 @@ import pytest
 import torch
 
 from moembed.errors import MoembedError
-from moembed.model import cpu, native
+from moembed.model import cpu, kernels, native
+from moembed.model.attention import Attention
+from moembed.model.fast import attention as fast_attention
+from moembed.model.fast.attention import CompiledAttention
 from moembed.model.config import MoEConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
+from moembed.model.experts import Experts
+from moembed.model.fast import packed
+from moembed.model.fast.experts import GroupedExperts, PackedExperts
+from moembed.model.fast.moe import InPlaceMoEBlock
+from moembed.model.fast.packed import PackedLinear
 from moembed.model.linear import Linear
 from moembed.model.moe import MoEBlock
 from moembed.model.presets import tiny_config
 from moembed.model.settings import BACKENDS, Settings, UsesSettings
 from moembed.model.tokenizer import TextTokenizer
+from spy import calls_of
 
 TEXTS = ["Experts are MLPs.", "A router picks two of them for every token.", "x", "Padding is never routed here."]
 
@@ -40,13 +49,20 @@ def _layers(emb, cls):
     return [m for m in emb.modules() if isinstance(m, cls)]
 
 
+def _types(emb, cls) -> set[type]:
+    return {type(m) for m in _layers(emb, cls)}
+
+
+EXPERTS = {"grouped": GroupedExperts, "loop": Experts, "packed-loop": PackedExperts}  # the record's "moe" path
+
+
 def test_the_cli_offers_the_library_backends():
     from moembed.cli import options as o
 
     assert typing.get_args(o.Backend) == tuple(BACKENDS)
 
 
-def test_load_records_the_backend_and_its_settings_reach_every_layer(moe_dir, caplog):
+def test_load_records_the_backend_and_its_settings_reach_every_layer(moe_dir, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="moembed"):
         emb = Embedder.load(moe_dir, backend="torch")
     assert emb.backend.name == "torch" and emb.backend.settings == Settings("off")
@@ -54,22 +70,27 @@ def test_load_records_the_backend_and_its_settings_reach_every_layer(moe_dir, ca
     assert {m.settings for m in emb.modules() if isinstance(m, UsesSettings)} == {Settings("off")}
     with pytest.raises(dataclasses.FrozenInstanceError):
         emb.backend.name = "fast"  # a record, not a switch
+    assert emb.backend.path("linear") == "plain" and _types(emb, Linear) == {Linear}
+    assert _types(emb, MoEBlock) == {MoEBlock} and _types(emb, Experts) == {EXPERTS[emb.backend.path("moe")]}
+    assert emb.backend.path("attention") == "torch" and _types(emb, Attention) == {Attention}
+    fast = calls_of(monkeypatch, packed, "packed_linear")
     emb.encode(TEXTS)
-    assert {m.last_path for m in _layers(emb, Linear)} == {"plain"}
-    assert {b.last_dispatch for b in _layers(emb, MoEBlock)} == {emb.backend.path("moe")}
-    assert {layer.last_attention_kernel for layer in emb.encoder.layers} == {"torch"}
+    assert not fast  # no packed kernel ran
 
 
 @pytest.mark.skipif(not cpu.has_packed() or native.load("attention") is None,
                     reason="no oneDNN packed kernels or no C compiler here")
-def test_fast_backend_takes_every_fast_path_and_its_record_says_so(moe_dir):
+def test_fast_backend_takes_every_fast_path_and_its_record_says_so(moe_dir, monkeypatch):
     emb = Embedder.load(moe_dir, backend="fast")
     assert (emb.backend.path("linear"), emb.backend.path("attention"), emb.backend.path("moe")) == (
         "packed", "compiled", "packed-loop")
+    assert _types(emb, Linear) == {PackedLinear} and _types(emb, MoEBlock) == {InPlaceMoEBlock}
+    assert _types(emb, Experts) == {PackedExperts} and _types(emb, Attention) == {CompiledAttention}
+    dense, combined = calls_of(monkeypatch, packed, "packed_linear"), calls_of(monkeypatch, kernels, "combine_rows")
+    attended = calls_of(monkeypatch, fast_attention, "packed_attention")
     emb.encode(TEXTS)
-    assert {m.last_path for m in _layers(emb, Linear)} == {"packed"}
-    assert {b.last_dispatch for b in _layers(emb, MoEBlock)} == {"packed-loop"}
-    assert {layer.last_attention_kernel for layer in emb.encoder.layers} == {"packed"}
+    # qkv, out and the dense MLP's fc1/fc2 of layer 0; qkv and out of layer 1 (its MLP is the MoE block)
+    assert len(dense) == 6 and len(combined) == 1 and len(attended) == 2
 
 
 @pytest.mark.parametrize("backend", ["auto", "fast"])
@@ -98,8 +119,9 @@ def test_auto_reads_the_user_switch_once_and_nothing_writes_the_environment(moe_
     emb = Embedder.load(moe_dir)  # backend "auto": MOEMBED_NO_FASTPATH=1 means every fast path off
     assert emb.backend.name == "auto" and emb.backend.settings == Settings("off")
     monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # too late: the model keeps what it was loaded with
+    fast = calls_of(monkeypatch, packed, "packed_linear")
     emb.encode(TEXTS)
-    assert {m.last_path for m in _layers(emb, Linear)} == {"plain"}
+    assert _types(emb, Linear) == {Linear} and not fast
     monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
     assert dict(os.environ) == before
 

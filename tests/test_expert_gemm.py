@@ -15,7 +15,7 @@ from expert_gemm import grouped, loop, measure, operands, wide  # noqa: E402
 
 
 def test_grouped_and_loop_agree_and_wide_matches_their_flops():
-    from moembed.model.experts import grouped_support
+    from moembed.model.fast.experts import grouped_support
 
     if not grouped_support(torch.device("cpu"), torch.float32).usable:
         pytest.fail("torch._grouped_mm is unusable on this CPU: the benchmark's training path cannot be measured")

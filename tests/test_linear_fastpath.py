@@ -395,8 +395,6 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, ke
 
 
 @int8_only
-@pytest.mark.xfail(strict=True, reason="InPlaceMoEBlock.from_plain (model/fast/moe.py) takes combine.c wherever it "
-                   "is built, whatever Settings.compiled_loops says; backends.describe reports it the same way")
 def test_with_every_fast_path_off_int8_experts_are_combined_by_torch_ops(make_tiny, monkeypatch):
     # `Settings.compiled_loops` covers the int8 per-row loops and the MoE combine loop: "off" (MOEMBED_NO_FASTPATH=1,
     # the "torch" backend) runs neither compiled.
@@ -407,6 +405,8 @@ def test_with_every_fast_path_off_int8_experts_are_combined_by_torch_ops(make_ti
     blocks = [m for m in q.modules() if isinstance(m, InPlaceMoEBlock)]
     assert blocks and not any(b.experts.fused for b in blocks)
     assert not any(b.compiled for b in blocks) and not combined
+    assert "combined by torch ops (fast paths off)" in backends.describe("torch", Settings("off"), torch.device("cpu"),
+                                                                          None, True, True).why("moe")
 
 
 @int8_only

@@ -16,12 +16,17 @@ from moembed.losses.moe_aux import load_balancing_loss, router_z_loss, routing_f
 from moembed.model.config import EncoderConfig, MoEConfig
 from moembed.model.encoder import Encoder, GeluMLP, SwiGLUMLP
 from moembed.model import cpu, kernels
+from moembed.model import backends
 from moembed.model.settings import Settings, apply
-from moembed.model.experts import grouped_support
-from moembed.model.moe import MoEBlock, set_dispatch
+from moembed.model.experts import Experts
+from moembed.model.fast.experts import GroupedExperts, PackedExperts, grouped_support
+from moembed.model.fast.moe import InPlaceMoEBlock
+from moembed.model.moe import MoEBlock
 from moembed.model.convert.upcycle import upcycle
 from moembed.model.presets import nomic_v2_moe_base, tiny_config
 from moembed.model.utilisation import format_report, from_output, probe, router_entropy
+from moe_reference import use_blocks, use_reference
+from spy import calls_of
 
 
 def real_texts(n: int = 24) -> list[str]:
@@ -42,9 +47,17 @@ def block_config(mlp: str = "gelu", bias: bool = True, **moe) -> EncoderConfig:
     return tiny_config("bert" if mlp == "gelu" else "nomic", bias=bias, moe=MoEConfig(**moe))
 
 
-def dispatches(module: torch.nn.Module) -> set[str]:
-    """The dispatch each MoE block of `module` took in its latest forward pass."""
-    return {m.last_dispatch for m in module.modules() if isinstance(m, MoEBlock)}
+def kinds(module: torch.nn.Module) -> set[type]:
+    """The classes of the expert sets of `module`."""
+    return {type(m) for m in module.modules() if isinstance(m, Experts)}
+
+
+def as_kind(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """`model` with its MoE blocks computed as `kind`: "reference" (the paper's sum, `moe_reference`), or its
+    experts run as "loop" / "grouped" (`backends.use_experts`)."""
+    if kind == "reference":
+        return use_reference(model)
+    return backends.use_experts(use_blocks(model), kind)
 
 
 def grads(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,7 +73,7 @@ def grads(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, g: torch.
 
 
 @pytest.mark.parametrize("mlp,bias", [("gelu", True), ("swiglu", False)])
-def test_one_expert_with_copied_weights_equals_dense(mlp, bias):
+def test_one_expert_with_copied_weights_equals_dense(mlp, bias, monkeypatch):
     torch.manual_seed(0)
     cfg = block_config(mlp, bias, num_experts=1, top_k=1)
     dense = (GeluMLP if mlp == "gelu" else SwiGLUMLP)(cfg.hidden_size, cfg.intermediate_size, bias)
@@ -75,10 +88,13 @@ def test_one_expert_with_copied_weights_equals_dense(mlp, bias):
             moe.experts.fc2_bias.copy_(dense.fc2.bias[None])
     x = torch.randn(37, cfg.hidden_size, requires_grad=True)
     g = torch.randn(37, cfg.hidden_size)
-    for mode in ("grouped", "loop", "naive"):
-        moe.dispatch_mode = mode
+    assert grouped_support(torch.device("cpu"), torch.float32).usable  # probed here, before the calls are counted
+    grouped = calls_of(monkeypatch, torch, "_grouped_mm")
+    for mode in ("grouped", "loop", "reference"):
+        grouped.clear()
+        moe = as_kind(moe, mode)
         y_moe, logits, counts = moe(x)
-        assert moe.last_dispatch == mode  # the path asked for is the one that ran
+        assert bool(grouped) == (mode == "grouped")  # the path asked for is the one that ran
         torch.testing.assert_close(y_moe, dense(x), rtol=1e-5, atol=1e-6)
         assert logits.shape == (37, 1) and counts.tolist() == [37]
         gm, gd = grads(moe, x, y_moe, g), grads(dense, x, dense(x), g)
@@ -105,14 +121,17 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
     mask = torch.tensor([[1] * 11, [1] * 6 + [0] * 5, [1] * 2 + [0] * 9], dtype=torch.bool)
     g = torch.randn(3, 11, cfg.hidden_size)
     results = {}
-    for mode in ("naive", "loop", "grouped"):
-        set_dispatch(enc, mode)
+    assert grouped_support(torch.device("cpu"), torch.float32).usable  # probed here, before the calls are counted
+    grouped = calls_of(monkeypatch, torch, "_grouped_mm")
+    for mode in ("reference", "loop", "grouped"):
+        grouped.clear()
+        as_kind(enc, mode)
         enc.zero_grad()
         out = enc(ids, mask)
         (out.last_hidden_state * g).sum().backward()
-        assert dispatches(enc) == {mode}
+        assert len(grouped) == (4 if mode == "grouped" else 0)  # two matmuls in each of the two MoE layers
         results[mode] = (out, {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None})
-    ref_out, ref_grads = results["naive"]
+    ref_out, ref_grads = results["reference"]
     assert sum(int(c.sum()) for c in ref_out.expert_counts) == 2 * int(mask.sum()) * top_k  # 2 MoE layers
     for mode in ("loop", "grouped"):
         out, gr = results[mode]
@@ -123,28 +142,33 @@ def test_grouped_and_loop_dispatch_equal_naive_reference_in_a_padded_batch(top_k
         for k in gr:
             torch.testing.assert_close(gr[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=f"{mode}: grad of {k}")
     enc.eval()
-    with torch.no_grad():  # inference takes other paths (oneDNN-packed expert weights on CPU, where switched on)
-        unpacked = "grouped" if grouped_support(torch.device("cpu"), torch.float32).preferred else "loop"
-        for switch in ("on", "off"):  # packing on wherever the build has it; off
-            apply(enc, Settings(switch))
-            for mode, path, plain in (("auto", "packed-loop", unpacked), ("loop", "packed-loop", "loop"),
-                                      ("grouped", "grouped", "grouped")):
-                set_dispatch(enc, mode)
-                out = enc(ids, mask).last_hidden_state
-                torch.testing.assert_close(out, ref_out.last_hidden_state, rtol=1e-5, atol=1e-5)
-                assert dispatches(enc) == {path if Settings(switch).packing() else plain}
+    with torch.no_grad():  # inference takes the backend's paths (oneDNN-packed expert weights on CPU, where on)
+        unpacked = GroupedExperts if grouped_support(torch.device("cpu"), torch.float32).preferred else Experts
+        for name in ("fast", "torch"):  # packing on wherever the build has it; off
+            use_blocks(enc)
+            record = backends.use(enc, name)
+            packed = Settings.for_backend(name).packing()
+            expected = "packed-loop" if packed else "grouped" if unpacked is GroupedExperts else "loop"
+            assert record.path("moe") == expected
+            assert kinds(enc) == {PackedExperts if packed else unpacked}
+            assert all(isinstance(m, InPlaceMoEBlock) == packed for m in enc.modules() if isinstance(m, MoEBlock))
+            out = enc(ids, mask).last_hidden_state
+            torch.testing.assert_close(out, ref_out.last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_autocast_grouped_matches_loop():
+def test_bf16_autocast_grouped_matches_loop(monkeypatch):
     torch.manual_seed(2)
     blk = MoEBlock(block_config("gelu", True, num_experts=8))
     x = torch.randn(64, 32)
     outs = {}
+    assert grouped_support(torch.device("cpu"), torch.bfloat16).usable  # probed here, before the calls are counted
+    grouped = calls_of(monkeypatch, torch, "_grouped_mm")
     for mode in ("grouped", "loop"):
-        blk.dispatch_mode = mode
+        grouped.clear()
+        backends.use_experts(blk, mode)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs[mode] = blk(x)[0].float()
-        assert blk.last_dispatch == mode
+        assert len(grouped) == (2 if mode == "grouped" else 0)
     torch.testing.assert_close(outs["grouped"], outs["loop"], rtol=2e-2, atol=2e-2)
     assert outs["grouped"].abs().max() > 0
 
@@ -157,7 +181,7 @@ def test_bf16_grouped_training_pads_each_expert_and_keeps_values_and_gradients(m
     with torch.no_grad():
         blk.experts.fc1_bias.normal_()
         blk.experts.fc2_bias.normal_()
-    blk.dispatch_mode = "grouped"
+    backends.use_experts(blk, "grouped")
     x0 = torch.randn(37, 32)
     seen, real = [], torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: seen.append(offs.tolist()) or real(a, b, offs=offs))
@@ -168,7 +192,6 @@ def test_bf16_grouped_training_pads_each_expert_and_keeps_values_and_gradients(m
         x = x0.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = blk(x)[0]
-        assert blk.last_dispatch == "grouped"
         (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         return y.float(), x.grad, blk.experts.fc1_weight.grad, blk.experts.fc2_bias.grad
 
@@ -187,20 +210,21 @@ def test_bf16_grouped_training_pads_each_expert_and_keeps_values_and_gradients(m
 
 
 @pytest.mark.skipif(not Settings().bf16_packing(), reason="bf16 matmuls are emulated on this CPU (no AVX-512 BF16 / AMX)")
-def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch():
+def test_bf16_inference_runs_packed_bf16_experts_independent_of_the_batch(monkeypatch):
     torch.manual_seed(3)
-    blk = MoEBlock(block_config("gelu", True, num_experts=8)).eval()
+    model = torch.nn.Sequential(MoEBlock(block_config("gelu", True, num_experts=8))).eval()
     with torch.no_grad():
-        blk.experts.fc1_bias.normal_()
-        blk.experts.fc2_bias.normal_()
+        model[0].experts.fc1_bias.normal_()
+        model[0].experts.fc2_bias.normal_()
     x = torch.randn(45, 32)  # expert slices of a few rows each, padded to `row_multiple` inside
+    ref = use_reference(model)[0]
+    assert backends.use(use_blocks(model), "auto", torch.bfloat16).path("moe") == "packed-bf16-loop"
+    blk, parts = model[0], calls_of(monkeypatch, PackedExperts, "parts")
     with torch.inference_mode():
-        blk.dispatch_mode = "naive"
-        ref = blk(x)[0]  # float32 reference
-        blk.dispatch_mode = "auto"
+        ref = ref(x)[0]  # float32 reference
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = blk(x)[0]
-            assert blk.last_dispatch == "packed-bf16-loop"
+            assert len(parts) == 1 and blk.experts.dtype == torch.bfloat16
             alone = torch.cat([blk(x[i : i + 1])[0] for i in range(5)])
     torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(alone, got[:5], rtol=0, atol=1e-6)  # padding rows never reach a real row
@@ -219,11 +243,16 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     path, tol = ("packed-bf16-loop", 3e-2) if bf16 else ("packed-loop", 1e-5)
 
     torch.manual_seed(6)
-    blk = apply(MoEBlock(block_config("gelu", True, num_experts=8, top_k=top_k, output_bias=True)).eval(),
-                Settings("on"))  # packed wherever this torch build has it, whatever this CPU's default
+    model = torch.nn.Sequential(MoEBlock(block_config("gelu", True, num_experts=8, top_k=top_k, output_bias=True)))
+    model.eval()
     with torch.no_grad():
-        for p in (blk.experts.fc1_bias, blk.experts.fc2_bias, blk.output_bias):
+        for p in (model[0].experts.fc1_bias, model[0].experts.fc2_bias, model[0].output_bias):
             p.normal_()
+    reference = use_reference(model)[0]
+    # packed wherever this torch build has it, whatever this CPU's default
+    assert backends.use(use_blocks(model), "fast", torch.bfloat16 if bf16 else None).path("moe") == path
+    blk = model[0]
+    assert isinstance(blk, InPlaceMoEBlock) and blk.compiled
     blk.experts.row_multiple = 8
     x = torch.randn(45, 32)
     calls = []
@@ -231,18 +260,17 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     assert kernels.available("combine"), f"combine.c was not built: {kernels.why_not('combine')}"
     combine_rows = kernels.combine_rows  # its calls counted
     monkeypatch.setattr(kernels, "combine_rows", lambda *a: calls.append(a[3].shape[0]) or combine_rows(*a))
+    parts = calls_of(monkeypatch, PackedExperts, "parts")
     with torch.inference_mode():
-        blk.dispatch_mode = "naive"
-        ref = blk(x)[0]
-        blk.dispatch_mode = "auto"
+        ref = reference(x)[0]
         with amp:
             got = blk(x)[0]
-            assert blk.last_dispatch == path and calls == [45]
+            assert len(parts) == 1 and calls == [45]
             alone = torch.cat([blk(x[i : i + 1])[0] for i in range(6)])
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(kernels, "available", lambda name: name != "combine")  # no C compiler: torch ops
-                plain = blk(x)[0]
-            assert blk.last_dispatch == path and calls == [45] + [1] * 6
+                plain = InPlaceMoEBlock.from_plain(blk)(x)[0]  # decided when it is swapped in
+            assert len(parts) == 8 and calls == [45] + [1] * 6
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(plain, got, rtol=tol, atol=tol)
@@ -251,7 +279,7 @@ def test_packed_inference_combines_in_place_and_matches_torch_ops(monkeypatch, b
     blk.experts.row_multiple = 1  # no padding (as benchmarks/moe.py's unpadded variant)
     with torch.inference_mode(), amp:
         unpadded = blk(x)[0]
-    assert blk.last_dispatch == path and len(calls) == 8
+    assert len(parts) == 9 and len(calls) == 8
     torch.testing.assert_close(unpadded, got, rtol=tol, atol=tol)
     # padding rows never reach a real row (the matmul kernels round by their row count: 5e-7 apart, as before)
     torch.testing.assert_close(alone, got[:6], rtol=0, atol=1e-6)
@@ -262,7 +290,8 @@ def test_padded_dispatch_gathers_each_copy_into_its_slice():
     blk = MoEBlock(block_config("gelu", True, num_experts=4, top_k=2))
     x = torch.randn(13, 32)
     experts = blk.route(x).experts
-    plain, padded = blk.dispatch(x, experts), blk.dispatch(x, experts, rows=8)
+    counts = torch.bincount(experts.flatten(), minlength=4)
+    plain, padded = blk.dispatch(x, experts, counts), InPlaceMoEBlock.from_plain(blk).dispatch_padded(x, experts, counts, 8)
     assert padded.sizes == [-(-int(c) // 8) * 8 for c in plain.counts] and padded.tokens.shape[0] == sum(padded.sizes)
     assert torch.equal(padded.tokens[padded.at], plain.tokens)  # every copy where `at` says, in sorted order
     starts = [sum(padded.sizes[:e]) for e in range(4)]
@@ -270,16 +299,17 @@ def test_padded_dispatch_gathers_each_copy_into_its_slice():
     assert all(starts[e] <= int(a) < ends[e] for a, e in zip(padded.at, experts.flatten()[plain.source]))
 
 
-def test_grouped_dispatch_falls_back_on_unaligned_shapes():
+def test_grouped_dispatch_falls_back_on_unaligned_shapes(monkeypatch):
     # torch._grouped_mm needs 16-byte strides; an intermediate size of 30 floats (120 bytes) takes the loop.
     torch.manual_seed(5)
-    blk = MoEBlock(tiny_config(intermediate_size=30, moe=MoEConfig(num_experts=4, top_k=2)))
+    model = torch.nn.Sequential(MoEBlock(tiny_config(intermediate_size=30, moe=MoEConfig(num_experts=4, top_k=2))))
     x = torch.randn(25, 32, requires_grad=True)
-    blk.dispatch_mode = "naive"
-    ref = blk(x)[0]
-    blk.dispatch_mode = "grouped"
+    ref = use_reference(model)[0](x)[0]
+    blk = backends.use_experts(use_blocks(model), "grouped")[0]
+    assert grouped_support(torch.device("cpu"), torch.float32).usable  # probed here, before the calls are counted
+    grouped, loop = calls_of(monkeypatch, torch, "_grouped_mm"), calls_of(monkeypatch, Experts, "forward")
     torch.testing.assert_close(blk(x)[0], ref, rtol=1e-5, atol=1e-6)
-    assert blk.last_dispatch == "loop"
+    assert isinstance(blk.experts, GroupedExperts) and not grouped and len(loop) == 1  # the loop ran
 
 
 def test_routing_of_a_sequence_does_not_depend_on_padding(make_tiny):

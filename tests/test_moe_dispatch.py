@@ -1,6 +1,6 @@
 """Which MoE dispatch runs: torch._grouped_mm's capability is checked once, an unusable kernel falls back to the
-expert loop (never an error), the path taken is recorded (`last_dispatch`) and the one a loaded model takes is in
-its backend record (`moembed.model.backends`, logged once at load), and the bf16 copies
+expert loop (never an error), the experts a model is given (`GroupedExperts` or the plain loop) are in its backend
+record (`moembed.model.backends`, logged once at load), and the bf16 copies
 of the expert weights are made once per weight version with gradients that reach the float32 weights."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from moembed.model import backends
-from moembed.model import experts as experts_mod
-from moembed.model import moe as moe_mod
 from moembed.model.config import MoEConfig
-from moembed.model.experts import GroupedSupport, cuda_grouped_kernel, grouped_support
+from moembed.model.experts import Experts
+from moembed.model.fast import experts as experts_mod
+from moembed.model.fast.experts import GroupedExperts, GroupedSupport, cuda_grouped_kernel, grouped_support
 from moembed.model.moe import MoEBlock
 from moembed.model.presets import tiny_config
+from moe_reference import use_reference
+from spy import calls_of
 
 
 @pytest.fixture
@@ -37,6 +39,13 @@ def block(bias: bool = True, seed: int = 0) -> MoEBlock:
     return blk
 
 
+def grouped_calls(monkeypatch) -> list:
+    """The calls of torch._grouped_mm from now on (the capability of CPU float32 and bf16 probed before)."""
+    assert grouped_support(torch.device("cpu"), torch.float32).usable
+    assert grouped_support(torch.device("cpu"), torch.bfloat16).usable
+    return calls_of(monkeypatch, torch, "_grouped_mm")
+
+
 def moe_record(blk: MoEBlock, caplog) -> backends.LayerPath:
     """The MoE entry of the backend record of a model holding `blk` (as `Embedder.load` makes and logs it)."""
     with caplog.at_level(logging.INFO, logger="moembed"):
@@ -46,43 +55,42 @@ def moe_record(blk: MoEBlock, caplog) -> backends.LayerPath:
     return record._get("moe")
 
 
-def test_grouped_runs_where_supported_and_is_recorded_once(fresh_dispatch_state, caplog):
+def test_grouped_runs_where_supported_and_is_recorded_once(fresh_dispatch_state, caplog, monkeypatch):
     assert grouped_support(torch.device("cpu"), torch.float32).usable  # torch 2.13 has CPU grouped matmuls
     blk = block()
     moe = moe_record(blk, caplog)
-    assert moe.path == "grouped" and "grouped matmuls" in moe.why
-    blk.dispatch_mode = "grouped"
+    assert moe.path == "grouped" and "grouped matmuls" in moe.why and isinstance(blk.experts, GroupedExperts)
     x = torch.randn(20, 32, requires_grad=True)
+    calls = grouped_calls(monkeypatch)
     with caplog.at_level(logging.INFO, logger="moembed"):
         caplog.clear()
-        for _ in range(3):
+        for i in range(3):
             blk(x)[0].sum().backward()
-            assert blk.last_dispatch == "grouped"
+            assert len(calls) == 2 * (i + 1)  # fc1 and fc2 of every expert, two grouped matmuls a pass
     assert not caplog.records  # the forward passes log nothing
 
 
-def test_capability_probed_first_under_inference_mode_is_not_mistaken_for_unusable(fresh_dispatch_state):
+def test_capability_probed_first_under_inference_mode_is_not_mistaken_for_unusable(fresh_dispatch_state,
+                                                                                   monkeypatch):
     """The first MoE pass of a process is often an encode under inference_mode; the probe must still see the kernel
     (its own forward and backward run outside inference mode), or every later training pass would take the loop."""
-    blk = block()
+    blk = backends.use_experts(block(), "grouped")
     with torch.inference_mode():
         assert grouped_support(torch.device("cpu"), torch.bfloat16).usable
-        blk.dispatch_mode = "grouped"
+        calls = calls_of(monkeypatch, torch, "_grouped_mm")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             blk(torch.randn(16, 32))
-        assert blk.last_dispatch == "grouped"
-    blk.dispatch_mode = "grouped"
+        assert len(calls) == 2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         blk(torch.randn(16, 32, requires_grad=True))[0].float().sum().backward()
-    assert blk.last_dispatch == "grouped"
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("failure", ["raises", "absent"])
 def test_unusable_grouped_mm_falls_back_to_the_loop(fresh_dispatch_state, caplog, monkeypatch, failure):
     blk = block()
     x = torch.randn(25, 32, requires_grad=True)
-    blk.dispatch_mode = "naive"
-    ref = blk(x)[0]
+    ref = use_reference(torch.nn.Sequential(blk))[0](x)[0]
     if failure == "raises":  # e.g. a GPU generation or dtype a torch release has no kernel for
 
         def broken(*args, **kwargs):
@@ -93,28 +101,31 @@ def test_unusable_grouped_mm_falls_back_to_the_loop(fresh_dispatch_state, caplog
         monkeypatch.delattr(torch, "_grouped_mm")
     support = grouped_support(x.device, x.dtype)
     assert not support.usable
-    for mode in ("grouped", "auto"):
-        blk.dispatch_mode = mode
-        y = blk(x)[0]
-        assert blk.last_dispatch == "loop"
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
-    moe = moe_record(blk, caplog)
+    loop = calls_of(monkeypatch, Experts, "forward")
+    backends.use_experts(blk, "grouped")  # asked for, it takes the loop
+    y = blk(x)[0]
+    assert len(loop) == 1
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    moe = moe_record(blk, caplog)  # a loaded model gets the plain loop
+    assert type(blk.experts) is Experts
     why = moe.why
     assert moe.path == "loop" and "expert loop instead of grouped matmuls" in why
     assert ("failed" in why) if failure == "raises" else ("has no torch._grouped_mm" in why)
 
 
-def test_auto_takes_the_loop_where_grouped_is_not_the_faster_kernel(fresh_dispatch_state, monkeypatch):
+def test_auto_takes_the_loop_where_grouped_is_not_the_faster_kernel(fresh_dispatch_state, monkeypatch, caplog):
     # As on a CUDA GPU before sm_90: the op works (torch loops over the groups) but brings nothing.
-    monkeypatch.setattr(moe_mod, "grouped_support", lambda device, dtype: GroupedSupport(True, False, "test"))
+    monkeypatch.setattr(backends, "grouped_support", lambda device, dtype: GroupedSupport(True, False, "test"))
     blk = block()
     x = torch.randn(16, 32, requires_grad=True)
-    blk.dispatch_mode = "auto"
+    assert moe_record(blk, caplog).path == "loop" and type(blk.experts) is Experts
+    assert not backends.for_training(blk, torch.device("cpu"), torch.float32)  # nor does training take it
+    calls = grouped_calls(monkeypatch)
     blk(x)
-    assert blk.last_dispatch == "loop"
-    blk.dispatch_mode = "grouped"  # asked for explicitly, it still runs
+    assert not calls
+    backends.use_experts(blk, "grouped")  # asked for explicitly, it still runs
     blk(x)
-    assert blk.last_dispatch == "grouped"
+    assert len(calls) == 2
 
 
 def test_cuda_grouped_kernel_needs_bf16_on_sm90_or_sm100():
@@ -125,17 +136,17 @@ def test_cuda_grouped_kernel_needs_bf16_on_sm90_or_sm100():
     assert not cuda_grouped_kernel((9, 0), torch.float32)
 
 
-def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float32():
-    blk = block()
-    blk.dispatch_mode = "grouped"
+def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float32(monkeypatch):
+    blk = backends.use_experts(block(), "grouped")
     x = torch.randn(24, 32)
+    calls = grouped_calls(monkeypatch)
 
     def step():
         blk.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = blk(x)[0]
         (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        assert blk.last_dispatch == "grouped"
+        assert calls and calls.clear() is None  # the grouped matmuls ran
         return {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
 
     first = step()
@@ -168,7 +179,6 @@ def test_passes_of_a_step_share_one_cast_node_and_gradients_equal_separate_casts
                 blk.experts.weight_cache.pop("cast-node", None)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 y = blk(x)[0]
-            assert blk.last_dispatch == "grouped"
             loss = (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
             if backward_each:
                 loss.backward()
@@ -178,8 +188,7 @@ def test_passes_of_a_step_share_one_cast_node_and_gradients_equal_separate_casts
             total.backward()
         return {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}
 
-    blk = block()
-    blk.dispatch_mode = "grouped"
+    blk = backends.use_experts(block(), "grouped")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         nodes = blk.experts._weights_as(torch.bfloat16)
         assert blk.experts._weights_as(torch.bfloat16)[0] is nodes[0]  # one node while the version holds

@@ -10,7 +10,8 @@ import torch
 from moembed.errors import MoembedError
 
 import moembed.model.fast.int8 as int8
-from moembed.model import cpu, kernels, native
+from moembed.model import backends, cpu, kernels, native
+from moembed.model.attention import Attention
 from moembed.model.fast import is_fast
 from moembed.model.fast.int8 import Int8Linear
 from moembed.model.quantize import quantize_int8
@@ -54,10 +55,11 @@ def test_without_a_compiler_int8_and_attention_run_torch_ops(fresh_cache, monkey
     emb = make_tiny("bert")
     if cpu.int8_available():
         quantize_int8(emb)
+    assert backends.use(emb, "fast").path("attention") == "torch"  # asked for, not built
     ran = calls_of(monkeypatch, int8, "int8_linear")
     assert emb.encode(["a text", "another, longer text"]).shape[0] == 2
     layer = emb.encoder.layers[0]
-    assert layer.last_attention_kernel == "torch"
+    assert type(layer.core) is Attention  # the plain module: nothing swapped in
     if cpu.int8_available():  # int8 matmuls, their per-row work in torch ops (`fused` off: nothing compiled)
         assert isinstance(layer.qkv, Int8Linear) and not layer.qkv.fused
         assert ran and not any(call[3] for call in ran)

@@ -242,10 +242,13 @@ def reference_forward(sd, cfg, ids, mask):
     return x
 
 
-@pytest.mark.parametrize("mode", ["auto", "loop", "naive", "grouped"])
-def test_published_moe_checkpoint_matches_reference_forward_and_backward(tmp_path, minilm_path, mode):
-    from moembed.model.experts import grouped_support
-    from moembed.model.moe import set_dispatch
+@pytest.mark.parametrize("mode", ["auto", "loop", "reference", "grouped"])
+def test_published_moe_checkpoint_matches_reference_forward_and_backward(tmp_path, minilm_path, mode, monkeypatch):
+    from moe_reference import use_reference
+    from spy import calls_of
+
+    from moembed.model import backends
+    from moembed.model.fast.experts import grouped_support
 
     if mode == "grouped" and not grouped_support(torch.device("cpu"), torch.float32).usable:
         pytest.skip("this torch has no usable torch._grouped_mm on the CPU")  # the other modes still run
@@ -255,15 +258,19 @@ def test_published_moe_checkpoint_matches_reference_forward_and_backward(tmp_pat
     assert c.moe_layers() == [1, 3] and (c.mlp, c.bias, c.type_vocab_size, c.layer_norm_eps) == ("gelu", True, 1, 1e-5)
     assert (c.moe.renormalize, c.moe.expert_bias, c.moe.output_bias, c.moe.top_k) == (False, False, True, K)
     assert (emb.pooling, emb.normalize, emb.prompts["query"]) == ("mean", True, "search_query: ")
-    set_dispatch(emb.encoder, mode)
+    if mode == "reference":
+        use_reference(emb.encoder)
+    elif mode != "auto":  # "auto": as loaded
+        backends.use_experts(emb.encoder, mode)
+    grouped_support(torch.device("cpu"), torch.float32)  # probed before the calls are counted
+    grouped = calls_of(monkeypatch, torch, "_grouped_mm")
 
     sd = {k: v.requires_grad_() for k, v in load_file(str(path / "model.safetensors")).items()}
     ids, mask = _batch(emb)
     ref = reference_forward(sd, published_config(), ids, mask)
     out = emb.encoder(ids, mask).last_hidden_state
     torch.testing.assert_close(out[mask], ref[mask], atol=1e-5, rtol=1e-4)  # float32 rounding of other kernels
-    ran = emb.encoder.layers[1].mlp.last_dispatch
-    assert ran == mode if mode != "auto" else ran in ("grouped", "loop")
+    assert bool(grouped) == (mode == "grouped" or (mode == "auto" and emb.backend.path("moe") == "grouped"))
 
     r = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     (ref[mask] * r[mask]).sum().backward()
@@ -279,7 +286,11 @@ def test_published_moe_checkpoint_matches_reference_forward_and_backward(tmp_pat
 def test_moe_block_options_follow_the_published_equations(make_tiny):
     """moembed's MoE block with renormalize off, no expert biases and a shared output bias, against
     `reference_moe` on the packed tensors: outputs and every gradient, in every dispatch mode."""
-    from moembed.model.moe import MoEBlock, set_dispatch
+    from moe_reference import ReferenceMoE
+
+    from moembed.model import backends
+    from moembed.model.fast import swapped
+    from moembed.model.moe import MoEBlock
 
     emb = make_tiny("bert", hidden_size=D, intermediate_size=INNER, num_layers=2,
                     moe={"num_experts": E, "top_k": K, "renormalize": False, "expert_bias": False, "output_bias": True})
@@ -296,11 +307,11 @@ def test_moe_block_options_follow_the_published_equations(make_tiny):
     ref = reference_moe(xr, router, w1, w2, bias)
     g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
     (ref * g).sum().backward()
-    for mode in ("loop", "naive", "auto"):
-        set_dispatch(block, mode)
+    for mode in ("loop", "reference", "grouped"):
+        run = swapped(block, ReferenceMoE) if mode == "reference" else backends.use_experts(block, mode)
         block.zero_grad()
         xm = x.clone().requires_grad_()
-        out = block(xm)[0]
+        out = run(xm)[0]
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=mode)
         (out * g).sum().backward()
         torch.testing.assert_close(xm.grad, xr.grad, atol=1e-5, rtol=1e-4)

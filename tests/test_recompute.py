@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from moembed.model import recompute
 from moembed.model.config import MoEConfig
 from moembed.model.encoder import Encoder
-from moembed.model.moe import MoEBlock, set_dispatch
+from moembed.model import backends
+from moembed.model.experts import Experts
+from moembed.model.fast.experts import GroupedExperts
 from moembed.model.presets import tiny_config
 from moembed.model.recompute import set_recompute, then_recomputed
 
@@ -31,7 +33,7 @@ def test_gradients_are_bitwise_those_of_the_plain_pass(family, dispatch, monkeyp
     torch.manual_seed(0)
     plain = Encoder(tiny_config(family, moe=MoEConfig(num_experts=4, top_k=2, every=2)))  # dense and MoE layers
     plain.train()
-    set_dispatch(plain, dispatch)
+    backends.use_experts(plain, dispatch)
     again = copy.deepcopy(plain)
     set_recompute(again, True)
     ids = torch.randint(1, plain.config.vocab_size, (3, 9))
@@ -44,8 +46,8 @@ def test_gradients_are_bitwise_those_of_the_plain_pass(family, dispatch, monkeyp
         out = model(ids, mask).last_hidden_state
         out.pow(2).sum().backward()
         results.append((out, {n: p.grad for n, p in model.named_parameters()}))
-    moe = [m for m in again.modules() if isinstance(m, MoEBlock)]
-    assert moe and all(m.last_dispatch == dispatch for m in moe)
+    kinds = {type(m) for m in again.modules() if isinstance(m, Experts)}
+    assert kinds == {GroupedExperts if dispatch == "grouped" else Experts}
     # One remake per dense MLP, and per MoE layer one (grouped) or one per expert that got tokens (loop).
     layers = plain.config.num_layers
     assert len(made) == layers if dispatch == "grouped" else len(made) > layers

@@ -24,6 +24,7 @@ import torch.nn as nn
 from moembed.model import cpu, native
 from moembed.model.experts import Experts
 from moembed.model.fast import plain, swap
+from moembed.model.fast.attention import use_compiled
 from moembed.model.fast.experts import GroupedExperts, Int8Experts, PackedExperts, grouped_support
 from moembed.model.fast.int8 import Int8Linear, int8_path
 from moembed.model.fast.moe import InPlaceMoEBlock
@@ -96,6 +97,8 @@ def describe(name: str, settings: Settings, device: torch.device, autocast: torc
         paths.append(LayerPath("attention", "torch", f"torch's scaled_dot_product_attention ({why})"))
     if moe:
         built = native.why_not("combine") if int8 or linear.path in ("packed", "packed-bf16") else None
+        if built is None and not settings.compiled_loops():
+            built = "fast paths off"
         combine = "combined by combine.c" if built is None else f"combined by torch ops ({built})"
         if int8:
             paths.append(LayerPath("moe", "int8-loop", f"expert loop on int8 weights, {combine}"))
@@ -150,6 +153,7 @@ def setup(model: nn.Module, name: str, settings: Settings, autocast: torch.dtype
         return None
 
     swap(model, choose)
+    use_compiled(model, backend.path("attention") == "compiled")
     log.info("%s", backend)
     return backend
 
@@ -167,11 +171,15 @@ def for_training(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     """Give every MoE block of `model` grouped expert matmuls (`GroupedExperts`) where torch prefers them on
     `device` in `dtype` (the training precision); True if it did. The rest of the model keeps its layers (their
     training passes are the plain ones)."""
-    if not grouped_support(device, dtype).preferred:
+    support = grouped_support(device, dtype)
+    if not support.preferred:
         return False
     swap(model, lambda m: GroupedExperts.from_plain(plain(m)) if isinstance(m, Experts)
          and not isinstance(m, GroupedExperts) else None)
-    return any(isinstance(m, GroupedExperts) for m in model.modules())
+    grouped = any(isinstance(m, GroupedExperts) for m in model.modules())
+    if grouped:
+        log.info("training: experts as grouped matmuls (%s)", support.detail)
+    return grouped
 
 
 EXPERT_KINDS = ("loop", "grouped")

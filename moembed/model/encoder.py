@@ -18,11 +18,11 @@ from torch.overrides import TorchFunctionMode
 
 from moembed.model.config import EncoderConfig
 from moembed.model.activations import swiglu
-from moembed.model.attention import attend, compiled_applies, packed_attention
+from moembed.model.attention import Attention
 from moembed.model.linear import Linear
 from moembed.model.recompute import then_recomputed
 from moembed.model.settings import Settings, UsesSettings, apply
-from moembed.model.rope import apply_rope, batch_cos_sin, rope_cos_sin
+from moembed.model.rope import batch_cos_sin, rope_cos_sin
 
 
 @dataclass
@@ -107,46 +107,45 @@ class Embeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-class EncoderLayer(UsesSettings, nn.Module):
+class EncoderLayer(nn.Module):
     """Post-LayerNorm transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x)).
 
-    `last_attention_dtype` / `last_attention_kernel`: the precision and kernel of the latest attention call."""
-
-    last_attention_dtype: torch.dtype | None = None
-    last_attention_kernel: str | None = None
+    Attention is `out(core(qkv(x)))`: the fused q, k, v projection, the parameterless `core` (`Attention`, or the
+    module a backend swapped in: `moembed.model.fast.attention`) and the output projection."""
 
     def __init__(self, config: EncoderConfig, layer_idx: int):
         super().__init__()
         d = config.hidden_size
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.qkv = Linear(d, 3 * d, bias=config.bias)  # fused q, k, v
+        self.core = Attention(config.num_heads, config.head_dim, config.attention_dropout)
         self.out = Linear(d, d, bias=config.bias)
         self.norm1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.mlp = build_mlp(config, layer_idx)
         self.norm2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.attention_dropout = config.attention_dropout
+
+    @property
+    def num_heads(self) -> int:
+        return self.core.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.core.head_dim
+
+    @property
+    def attention_dropout(self) -> float:
+        """The attention weights' dropout probability in training (the core's; settable, as finetuning does)."""
+        return self.core.dropout
+
+    @attention_dropout.setter
+    def attention_dropout(self, p: float) -> None:
+        self.core.dropout = p
 
     def attention(self, x: torch.Tensor, ctx: "_Context") -> torch.Tensor:
-        B, T = ctx.shape
-        H, hd = self.num_heads, self.head_dim
-        p = self.attention_dropout if self.training else 0.0
-        qkv = self.qkv(x)  # (N, 3d), real tokens only
-        if compiled_applies(qkv, hd, T, p, self.training, self.settings) and ctx.cos is None and ctx.lengths is not None:
-            # CPU inference: the compiled kernel reads the packed rows and writes them, no padding either side
-            self.last_attention_dtype, self.last_attention_kernel = torch.float32, "packed"
-            return packed_attention(qkv, ctx.starts, ctx.lengths, H)  # (N, d)
-        qkv = ctx.pad_keys(qkv)  # (B, T, 3d)
-        q, k, v = qkv.view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (B, H, T, hd)
-        if ctx.cos is not None:
-            cos, sin = ctx.cos.to(q.dtype), ctx.sin.to(q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a, dtype, kernel = attend(q, k, v, ctx.attn_mask, p, self.training, ctx.lengths, self.settings)  # (B, H, T, hd)
-        self.last_attention_dtype, self.last_attention_kernel = dtype, kernel
-        return ctx.unpad(a.transpose(1, 2).reshape(B, T, H * hd))  # (N, d)
+        return self.out(self.core(self.qkv(x), ctx))  # (N, d) → (N, 3d) → (N, d), real tokens only
 
     def forward(self, x: torch.Tensor, ctx: "_Context"):
-        x = self.norm1(x + self.dropout(self.out(self.attention(x, ctx))))
+        x = self.norm1(x + self.dropout(self.attention(x, ctx)))
         m = self.mlp(x)
         router = None
         if isinstance(m, tuple):  # an MoE block: (hidden, router_logits, expert_counts)

@@ -19,13 +19,15 @@ from moembed.model.moe import Dispatched, MoEBlock, slots
 
 
 class InPlaceMoEBlock(MoEBlock):
-    """`MoEBlock` over `PackedExperts` or `Int8Experts`; `compiled`: `combine.c` is built (decided at the swap)."""
+    """`MoEBlock` over `PackedExperts` or `Int8Experts`; `compiled`: the sums run in `combine.c` (decided at the
+    swap: where it is built and the experts' settings have the compiled loops on, `Settings.compiled_loops`)."""
 
     compiled: bool = False
 
     @classmethod
     def from_plain(cls, block: MoEBlock) -> InPlaceMoEBlock:
-        return swapped(block, cls, compiled=kernels.available("combine"))
+        compiled = block.experts.settings.compiled_loops() and kernels.available("combine")
+        return swapped(block, cls, compiled=compiled)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not (isinstance(self.experts, (PackedExperts, Int8Experts)) and self.experts.applies(x)):
