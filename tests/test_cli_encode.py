@@ -41,7 +41,8 @@ def test_encode_int8_calibrates_on_input(tiny_dir, tmp_path):
 
 
 def test_encode_dtype_int8_is_close_to_float32_and_names_its_kernel(tiny_dir, tmp_path):
-    from moembed.model.linear import int8_available, int8_path
+    from moembed.model.cpu import int8_available
+    from moembed.model.fast.int8 import int8_path
 
     if not int8_available():
         pytest.skip("this torch build has no x86 quantised kernels")

@@ -13,6 +13,7 @@ import torch
 from moembed import distributed as dist
 from moembed.devices import resolve_device
 from moembed.errors import MoembedError
+from spy import calls_of
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny"
 
@@ -183,12 +184,14 @@ def test_embedder_load_device_and_dtype(make_tiny, tmp_path, monkeypatch):
     assert resolve_dtype("fp16", torch.device("cuda")) == torch.float16
 
 
-def test_embedder_load_int8_and_the_compute_in_the_cache_key(make_tiny, tmp_path):
+def test_embedder_load_int8_and_the_compute_in_the_cache_key(make_tiny, tmp_path, monkeypatch):
     """dtype="int8": the model's int8 layers on (no autocast), refused off the CPU before any weight is read; a
     compute other than float32 is part of `settings_key` (eval's cache key), float32's key unchanged."""
     from moembed.devices import resolve_dtype
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import fused_rows, int8_available
+    import moembed.model.fast.int8 as int8_module
+    from moembed.model.cpu import int8_available
+    from moembed.model.fast.int8 import Int8Linear, fused_rows
 
     make_tiny("bert").save(tmp_path / "m")
     plain = Embedder.load(tmp_path / "m")
@@ -207,7 +210,10 @@ def test_embedder_load_int8_and_the_compute_in_the_cache_key(make_tiny, tmp_path
     assert int8.compute == "int8" and int8.autocast is None
     assert len({plain.settings_key(), bf16.settings_key(), int8.settings_key()}) == 3
     texts = ["a short text", "another somewhat longer text about embeddings"]
+    ran = calls_of(monkeypatch, int8_module, "int8_linear")
     a, b = plain.encode(texts), int8.encode(texts)
     assert not np.array_equal(a, b) and (a * b).sum(1).min() > 0.99
+    assert int8.backend.path("linear") == "int8" and plain.backend.path("linear") != "int8"
     qkv = int8.encoder.layers[0].qkv
-    assert qkv.last_path == ("int8-fused" if fused_rows(qkv.settings) else "int8")
+    assert isinstance(qkv, Int8Linear) and qkv.fused == fused_rows(qkv.settings)
+    assert ran and all(call[3] == qkv.fused for call in ran)  # int8 matmuls ran, for int8's encode only

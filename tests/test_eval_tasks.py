@@ -413,7 +413,7 @@ def test_cli_eval_dtype_int8_is_named_and_cached_apart(make_tiny, tasks, tmp_pat
     from typer.testing import CliRunner
 
     from moembed.cli.main import app
-    from moembed.model.linear import int8_available
+    from moembed.model.cpu import int8_available
 
     if not int8_available():
         pytest.skip("this torch build has no x86 quantised kernels")

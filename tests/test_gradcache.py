@@ -13,6 +13,7 @@ from moembed.losses.contrastive import false_negative_mask, matryoshka_info_nce,
 from moembed.losses.moe_aux import load_balancing_loss, router_z_loss
 from moembed.model.config import MoEConfig
 from moembed.train.step import contrastive_step
+from spy import calls_of
 
 QUERIES = [
     "how do cats purr", "boiling point of water", "who wrote hamlet", "largest desert on earth",
@@ -72,31 +73,37 @@ def test_cached_equals_plain(make_tiny, moe):
 
 @pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)], ids=["dense", "moe"])
 def test_cached_equals_plain_in_float32_with_the_cpu_fast_path(make_tiny, moe, monkeypatch, one_torch_thread):
-    """In float32 on CPU with the oneDNN fast path switched on, GradCache's no-grad pass is a training pass: it runs
-    the plain kernels (packing weights that the optimizer changes every step would cost more than it saves), so the
-    cached and replayed embeddings agree and loss and gradients match the plain step. The same model in eval mode
-    under no_grad does take the packed path, so the switch is live in this test."""
-    from moembed.model.linear import Linear
+    """In float32 on CPU with the oneDNN fast path swapped in (the "fast" backend), GradCache's no-grad pass is a
+    training pass: it runs the plain kernels (packing weights that the optimizer changes every step would cost more
+    than it saves), so the cached and replayed embeddings agree and loss and gradients match the plain step. The same
+    model in eval mode under no_grad does take the packed path, so the swap is live in this test."""
+    import moembed.model.fast.experts as fast_experts
+    import moembed.model.fast.packed as fast_packed
+    from moembed.model import backends
+    from moembed.model.fast.experts import PackedExperts
+    from moembed.model.fast.packed import PackedLinear
     from moembed.model.settings import Settings
 
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")  # packing on, whatever this CPU's default (read when built)
     if not Settings("on").packing():
         pytest.skip("this torch build has no oneDNN packed linear")
-    packed, real = [], Linear._packed_weight
-    monkeypatch.setattr(Linear, "_packed_weight", lambda self, *a: packed.append(1) or real(self, *a))
     model = make_tiny(moe=moe, hidden_dropout=0.0, attention_dropout=0.0).train()
+    backend = backends.use(model, "fast")  # packing on, whatever this CPU's default
+    assert backend.path("linear") == "packed" and any(isinstance(m, PackedLinear) for m in model.modules())
+    assert (moe is None) != any(isinstance(m, PackedExperts) for m in model.modules())
+    packed = [calls_of(monkeypatch, owner, name) for owner in (fast_packed, fast_experts)
+              for name in ("pack", "packed_linear")]
     assert next(model.parameters()).dtype == torch.float32
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(2):  # the second time after an optimizer step
         plain = _run(model, None)
         cached = _run(model, 4)
-        assert not packed  # training passes, with or without grad: plain kernels
+        assert not any(packed)  # training passes, with or without grad: plain kernels
         _assert_same(plain, cached, tol=2e-5)
         assert all(g.abs().max() > 0 for g in plain[1].values())
         opt.step()
     model.eval()
     model.encode(QUERIES)
-    assert packed  # inference: the packed fast path ran
+    assert all(packed[:2]) and (moe is None or all(packed[2:]))  # inference: the packed fast path ran
 
 
 def test_aux_gradient_parity_alone(make_tiny):

@@ -1,7 +1,8 @@
 """`Linear`'s CPU inference paths: packed float32 equals `F.linear` and runs only at inference (never in a training
 pass, GradCache's no-grad pass included); dynamic int8 stays close to float32, quantises each row on its own, and
-covers every linear layer and MoE expert. Each test asserts the path that actually ran (`last_path`); the layers'
-`Settings` say which paths they may take."""
+covers every linear layer and MoE expert. Each path is a module swapped in for the plain layer (`moembed.model.fast`);
+each test asserts the class that was swapped in and that its kernel ran (a spy on the function it calls, tests/spy.py).
+Which paths a model takes is decided once, from its `Settings`, by `backends.use` and `quantize_int8`."""
 
 from __future__ import annotations
 
@@ -10,23 +11,28 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+import moembed.model.fast.experts as fast_experts
+import moembed.model.fast.int8 as fast_int8
+import moembed.model.fast.packed as fast_packed
 import moembed.model.linear as linear
-from moembed.model import cpu, kernels
-from moembed.model.config import MoEConfig
-from moembed.model.linear import (
-    Linear,
-    bf16_is_fast,
-    int8_available,
-    int8_kernel,
-    int8_linear,
-    pack_int8,
-)
 from moembed.errors import MoembedError
+from moembed.model import backends, cpu, kernels
+from moembed.model.config import MoEConfig
+from moembed.model.cpu import bf16_is_fast, int8_available
+from moembed.model.fast import is_fast, swap
+from moembed.model.fast.experts import Int8Experts
+from moembed.model.fast.int8 import Int8Linear, int8_kernel, int8_linear, pack_int8
+from moembed.model.fast.moe import InPlaceMoEBlock
+from moembed.model.fast.packed import PackedLinear
+from moembed.model.linear import Linear
 from moembed.model.moe import MoEBlock
 from moembed.model.quantize import is_int8, quantize_int8
-from moembed.model.settings import Settings, UsesSettings, apply
+from moembed.model.settings import Settings, UsesSettings
+from spy import calls_of
+
 
 @pytest.fixture(scope="module")
 def sentences() -> list[str]:
@@ -39,17 +45,20 @@ def sentences() -> list[str]:
     return news_sentences(32) + ["", "x"]
 
 
+# A test of the packed path builds `PackedLinear` itself (what the "fast" backend swaps in wherever the build has
+# it, whatever this CPU's default): skipped only where this torch build lacks oneDNN.
+packed_only = pytest.mark.skipif(not cpu.has_packed(), reason="this torch build has no oneDNN packed linear")
+
+
 @pytest.fixture
-def packing_on(monkeypatch):
-    # on wherever the build has it, whatever this CPU's default: for layers built alone, and for encoders
-    monkeypatch.setattr(UsesSettings, "settings", Settings("on"))
-    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "0")
+def packed_calls(monkeypatch) -> list:
+    """The calls of the packed matmul (`fast.packed.packed_linear`): the packed path ran once per call."""
+    return calls_of(monkeypatch, fast_packed, "packed_linear")
 
 
-def packed_only(test):
-    """A test of the packed path: packing switched on; skipped only where this torch build lacks oneDNN."""
-    test = pytest.mark.usefixtures("packing_on")(test)
-    return pytest.mark.skipif(not cpu.has_packed(), reason="this torch build has no oneDNN packed linear")(test)
+def packed(module: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Every `Linear` of `module` (or `module` itself) swapped for a `PackedLinear` of `dtype`."""
+    return swap(module, lambda m: PackedLinear.from_plain(m, dtype) if isinstance(m, Linear) else None)
 int8_only = pytest.mark.skipif(not int8_available(), reason="this torch build has no x86 quantised kernels")
 # oneDNN's int8 kernel is correct only where VNNI sums u8 x s8 products into 32 bits (`int8_kernel`): its tests run
 # on such CPUs (Zen 4 and 5, AMX Xeons), fbgemm's everywhere.
@@ -62,10 +71,10 @@ COMPILED = kernels.available("rowquant")
                         "torch"])
 def rows(request, monkeypatch):
     """The int8 path's per-row work: the compiled loops (counted, so that tests know they ran) or torch ops (the
-    compiled loops switched off in the layers' settings); (mode, calls, `fused` for `int8_linear`)."""
+    compiled loops switched off in the settings of models built in the test, read when they are built, so that
+    `quantize_int8` swaps in layers with `fused` off); (mode, calls, `fused` for `int8_linear`)."""
     calls = []
     if request.param == "torch":
-        monkeypatch.setattr(UsesSettings, "settings", Settings("off"))
         monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
     else:
         for name in ("quantize_rows", "rescale_rows"):
@@ -85,67 +94,69 @@ def _ran(rows, kernel: str = "onednn") -> None:
 
 @packed_only
 @pytest.mark.parametrize("shape", [(7, 32), (3, 5, 32), (1, 32)])
-def test_packed_equals_plain(shape):
+def test_packed_equals_plain(shape, packed_calls):
     torch.manual_seed(0)
-    lin = Linear(32, 48).eval()
+    lin = packed(Linear(32, 48).eval())
     x = torch.randn(*shape)
     with torch.inference_mode():
         fast = lin(x)
-    assert lin.last_path == "packed"
+    assert isinstance(lin, PackedLinear) and len(packed_calls) == 1
     torch.testing.assert_close(fast, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
 @packed_only
-def test_gelu_fused_into_the_packed_matmul_equals_gelu_after_it():
+def test_gelu_fused_into_the_packed_matmul_equals_gelu_after_it(packed_calls):
     from moembed.model.encoder import GeluMLP
 
     torch.manual_seed(0)
-    mlp = GeluMLP(32, 64).eval()
+    mlp = packed(GeluMLP(32, 64).eval())
     x = torch.randn(9, 32)
     seen = []
     mlp.fc1.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))  # hooks still see the input
     with torch.inference_mode():
         fused = mlp(x)
-    assert mlp.fc1.last_path == "packed" and seen == [x.shape]
+    assert isinstance(mlp.fc1, PackedLinear) and seen == [x.shape]
+    assert [call[3] for call in packed_calls] == [True, False]  # fc1 with GELU as the kernel's post-op, then fc2
     ref = F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
     torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         plain = mlp.fc1.train()(x, gelu=True)  # the unpacked path applies the same exact GELU
-    assert mlp.fc1.last_path == "plain"
+    assert len(packed_calls) == 2
     torch.testing.assert_close(plain, F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)))
 
 
 @packed_only
-def test_repacks_after_weight_update():
-    lin = Linear(8, 8).eval()
+def test_repacks_after_weight_update(monkeypatch, packed_calls):
+    packs = calls_of(monkeypatch, fast_packed, "pack")
+    lin = packed(Linear(8, 8).eval())
     x = torch.randn(4, 8)
     with torch.no_grad():
         lin(x)
+        lin(x)
+        assert len(packs) == 1  # packed once, then reused
         lin.weight.mul_(2.0)  # an optimizer step updates in place: the cache must notice
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-    assert lin.last_path == "packed"
+    assert len(packs) == 2 and len(packed_calls) == 3
 
 
 @pytest.mark.skipif(not cpu.has_packed(), reason="this torch build has no oneDNN packed linear")
-def test_packing_is_the_default_only_where_it_pays(monkeypatch):
+def test_packing_is_the_default_only_where_it_pays(monkeypatch, packed_calls):
     # Packed weights beat the plain call where torch runs AVX-512 kernels and lose on AVX2 only.
     assert cpu.packing_pays("AVX512") and not cpu.packing_pays("AVX2") and not cpu.packing_pays("DEFAULT")
-    lin, x = Linear(8, 8).eval(), torch.randn(3, 8)
-    assert lin.settings == Settings("auto")
-    for pays, path in ((False, "plain"), (True, "packed")):
+    monkeypatch.delenv("MOEMBED_NO_FASTPATH", raising=False)
+    model, x = nn.Sequential(Linear(8, 8)).eval(), torch.randn(3, 8)
+    assert model[0].settings == Settings("auto")
+    # "auto" packs where it pays, "torch" never (even where it pays), "fast" always (even where it does not)
+    for name, pays, path in (("auto", False, "plain"), ("auto", True, "packed"), ("torch", True, "plain"),
+                             ("fast", False, "packed")):
         monkeypatch.setattr(cpu, "packing_pays", lambda level=None, pays=pays: pays)
+        assert backends.use(model, name).path("linear") == path
+        assert isinstance(model[0], PackedLinear) == (path == "packed")
+        assert model[0].settings == Settings.for_backend(name)
+        packed_calls.clear()
         with torch.no_grad():
-            lin(x)
-        assert lin.last_path == path
-    apply(lin, Settings("off"))  # off even where it pays
-    with torch.no_grad():
-        lin(x)
-    assert lin.last_path == "plain"
-    monkeypatch.setattr(cpu, "packing_pays", lambda level=None: False)
-    apply(lin, Settings("on"))  # on even where it does not
-    with torch.no_grad():
-        lin(x)
-    assert lin.last_path == "packed"
+            model(x)
+        assert len(packed_calls) == (path == "packed")
 
 
 def test_the_user_switch_is_read_once_when_the_model_is_built(monkeypatch, make_tiny):
@@ -163,37 +174,43 @@ def test_the_user_switch_is_read_once_when_the_model_is_built(monkeypatch, make_
     assert not hasattr(linear, "fastpath")  # the old process-wide switch is gone
 
 
-def test_training_uses_autograd_path():
-    lin = Linear(8, 4)
+@pytest.mark.skipif(not cpu.has_packed(), reason="this torch build has no oneDNN packed linear")
+def test_training_uses_autograd_path(packed_calls):
+    model = packed(nn.Sequential(Linear(8, 4)))
     x = torch.randn(3, 8, requires_grad=True)
-    lin(x).sum().backward()
-    assert lin.last_path == "plain" and lin.weight.grad is not None and x.grad is not None
-    apply(lin, Settings("off"))
+    model(x).sum().backward()  # a packed layer in training, with gradient: the plain forward
+    assert isinstance(model[0], PackedLinear) and not packed_calls
+    assert model[0].weight.grad is not None and x.grad is not None
+    assert backends.use(model, "torch").path("linear") == "plain"  # the reference: back to the plain layer
+    assert type(model[0]) is Linear
     with torch.no_grad():
-        lin.eval()(x)
-    assert lin.last_path == "plain"
+        model.eval()(x)
+    assert not packed_calls
 
 
 @packed_only
-def test_no_grad_training_pass_does_not_pack():
+def test_no_grad_training_pass_does_not_pack(packed_calls):
     # GradCache's first pass runs without gradient in training mode, and the optimizer changes the weights every
     # step: packing there would repack every weight every step for a single use.
-    lin = Linear(16, 16).train()
+    lin = packed(Linear(16, 16).train())
     with torch.no_grad():
         lin(torch.randn(5, 16))
-    assert lin.last_path == "plain"
+    assert not packed_calls
     assert not any(k.startswith("packed") for k in lin.weight_cache)
 
 
 @packed_only
-def test_a_used_model_deep_copies_without_its_packed_weights():
-    lin = Linear(8, 8).eval()
+def test_a_used_model_deep_copies_without_its_packed_weights(packed_calls):
+    lin = packed(Linear(8, 8).eval())
+    x = torch.randn(2, 8)
     with torch.no_grad():
-        lin(torch.randn(2, 8))
-    assert "packed-torch.float32" in lin.weight_cache
+        y = lin(x)
+    assert "packed" in lin.weight_cache
     twin = copy.deepcopy(lin)  # oneDNN's packed tensors cannot be copied: the cache is rebuilt instead
-    assert not twin.weight_cache and torch.equal(twin.weight, lin.weight)
-
+    assert isinstance(twin, PackedLinear) and not twin.weight_cache and torch.equal(twin.weight, lin.weight)
+    with torch.no_grad():
+        assert torch.equal(twin(x), y)  # the copy packs its own weights on first use
+    assert len(packed_calls) == 2 and "packed" in twin.weight_cache
 
 # ---- int8 ------------------------------------------------------------------------------------------------------
 
@@ -233,15 +250,13 @@ def test_int8_linear_is_close_to_float_and_keeps_outlier_channels_exact(kernel, 
 def test_int8_fixed_grid_kernel_runs_and_equals_the_measured_range_kernel(monkeypatch):
     # The kernel that takes the [-1, 1] grid as given must give what the range-measuring kernel gives on the
     # same scaled rows (a fixed row pins its range), outlier channels beyond 1 included.
-    assert linear._fixed_grid_linear is not None  # this torch has it: the fast path is what runs
+    assert fast_int8._fixed_grid_linear is not None  # this torch has it: the fast path is what runs
     x = _with_outliers(33, 96)
     w = pack_int8(torch.randn(80, 96) * 0.05, torch.randn(80), x.abs().amax(0), "fbgemm")
-    calls = []
-    kernel = linear._fixed_grid_linear
-    monkeypatch.setattr(linear, "_fixed_grid_linear", lambda *a: calls.append(1) or kernel(*a))
+    calls = calls_of(monkeypatch, fast_int8, "_fixed_grid_linear")
     fixed = int8_linear(x, w)
-    assert calls == [1]
-    monkeypatch.setattr(linear, "_fixed_grid_linear", None)
+    assert len(calls) == 1
+    monkeypatch.setattr(fast_int8, "_fixed_grid_linear", None)
     torch.testing.assert_close(fixed, int8_linear(x, w), atol=0, rtol=0)
 
 
@@ -257,17 +272,15 @@ def test_onednn_int8_kernel_runs_and_computes_the_integer_product_exactly(monkey
     weight, bias = torch.randn(80, 96, generator=g) * 0.05, torch.randn(80, generator=g)
     w = pack_int8(weight, bias, x.abs().amax(0), "onednn")
     assert w.kernel == "onednn"
-    calls = []
-    kernel = linear._onednn_qlinear
-    monkeypatch.setattr(linear, "_onednn_qlinear", lambda *a: calls.append(1) or kernel(*a))
+    calls = calls_of(monkeypatch, fast_int8, "_onednn_qlinear")
     got = int8_linear(x, w, fused=rows[2])
-    assert calls == [1]  # the oneDNN kernel is what ran
+    assert len(calls) == 1  # the oneDNN kernel is what ran
 
     keep = torch.ones(96, dtype=torch.bool)
     keep[w.outliers] = False
     xd, wd = x.double(), weight.double()
     m = xd[:, keep].abs().amax(1, keepdim=True)  # (N, 1)
-    step, zero = linear.ONEDNN_GRID
+    step, zero = fast_int8.ONEDNN_GRID
     codes = (torch.round((xd / m).float() / step) + zero).clamp(0, 255).double() - zero  # (N, k), outliers clamped
     codes[:, ~keep] = 0  # their int8 weights are 0
     w_scale = (wd[:, keep].float().abs().amax(1) / 127).double()  # (n,)
@@ -334,24 +347,35 @@ def test_int8_rows_are_quantised_each_on_its_own(kernel, rows):
 
 @int8_only
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, kernel, rows):
+def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, kernel, rows, monkeypatch):
     emb = make_tiny("bert", moe=MoEConfig(num_experts=4, top_k=2, every=1, offset=0))
     ref = emb.encode(sentences[:16])
     q = quantize_int8(copy.deepcopy(emb), kernel=kernel)
+    assert is_int8(q) and not is_int8(emb)
+    int8_calls = {owner: calls_of(monkeypatch, owner, "int8_linear") for owner in (fast_int8, fast_experts)}
+    combined = calls_of(monkeypatch, kernels, "combine_rows")
     got = q.encode(sentences[:16])
     assert (ref * got).sum(1).min() > 0.99
     linears = [m for m in q.modules() if isinstance(m, Linear)]
     blocks = [m for m in q.modules() if isinstance(m, MoEBlock)]
     assert linears and blocks
-    assert all(m.last_path == ("int8-fused" if rows[0] == "compiled" else "int8") for m in linears)
-    assert all(b.last_dispatch == "int8-loop" for b in blocks)
+    fused = rows[0] == "compiled"  # chosen when quantize_int8 swapped the layers in, from their settings
+    assert all(isinstance(m, Int8Linear) and m.fused == fused for m in linears)
+    assert all(isinstance(b, InPlaceMoEBlock) and isinstance(b.experts, Int8Experts) and b.experts.fused == fused
+               for b in blocks)
+    for calls in int8_calls.values():  # the int8 matmuls of the linear layers and of the experts ran
+        assert calls and all(call[3] == fused for call in calls)
     _ran(rows, kernel)
-    # the experts' int8 outputs combined by combine.c, as torch ops would
-    assert kernels.available("combine")
+    # the experts' int8 outputs combined by combine.c (with the compiled loops on), as torch ops would
+    if fused:
+        assert kernels.available("combine") and all(b.compiled for b in blocks) and len(combined) == len(blocks)
+    combined.clear()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "available", lambda name: name != "combine")
+        for b in blocks:
+            mp.setattr(b, "compiled", False)
         np.testing.assert_allclose(q.encode(sentences[:16]), got, atol=1e-6)
-    assert all(m.int8.amax is not None for m in linears)  # outlier channels were measured
+    assert not combined  # torch ops combined that pass
+    assert all(m.setup.amax is not None for m in linears)  # outlier channels were measured
     packed = [m.weight_cache["int8"][1] for m in linears + [b.experts for b in blocks]]
     assert {w.kernel for ws in packed for w in ws} == {kernel}  # every layer and expert ran the kernel asked for
     # Alone or batched, the same text gets (up to rounding) the same embedding.
@@ -360,10 +384,29 @@ def test_quantize_int8_covers_linear_layers_and_experts(make_tiny, sentences, ke
     # Training passes never see int8, and switching back restores float32 inference.
     q.train()
     batch = q.tokenizer(sentences[:2])
+    for calls in int8_calls.values():
+        calls.clear()
     q(batch.input_ids, batch.attention_mask)
-    assert all(m.last_path == "plain" for m in linears)
+    assert not any(int8_calls.values())
     quantize_int8(q, enabled=False)
+    assert not is_int8(q) and not any(is_fast(m) for m in q.modules())
     np.testing.assert_allclose(q.encode(sentences[:16]), ref, atol=1e-5)
+    assert not any(int8_calls.values())
+
+
+@int8_only
+def test_with_every_fast_path_off_int8_experts_are_combined_by_torch_ops(make_tiny, monkeypatch):
+    # `Settings.compiled_loops` covers the int8 per-row loops and the MoE combine loop: "off" (MOEMBED_NO_FASTPATH=1,
+    # the "torch" backend) runs neither compiled.
+    monkeypatch.setenv("MOEMBED_NO_FASTPATH", "1")
+    q = quantize_int8(make_tiny("bert", moe=MoEConfig(num_experts=4, top_k=2, every=1, offset=0)))
+    combined = calls_of(monkeypatch, kernels, "combine_rows")
+    q.encode(["a text", "another, longer text"])
+    blocks = [m for m in q.modules() if isinstance(m, InPlaceMoEBlock)]
+    assert blocks and not any(b.experts.fused for b in blocks)
+    assert not any(b.compiled for b in blocks) and not combined
+    assert "combined by torch ops (fast paths off)" in backends.describe("torch", Settings("off"), torch.device("cpu"),
+                                                                          None, True, True).why("moe")
 
 
 @int8_only
@@ -382,13 +425,17 @@ bf16_native = pytest.mark.skipif(not Settings().bf16_packing(),
 
 @bf16_native
 @pytest.mark.parametrize("bias", [True, False])
-def test_bf16_autocast_inference_runs_packed_bf16_weights(bias):
+def test_bf16_autocast_inference_runs_packed_bf16_weights(bias, monkeypatch, packed_calls):
     torch.manual_seed(0)
-    lin = Linear(64, 96, bias=bias).eval()
+    model = nn.Sequential(Linear(64, 96, bias=bias)).eval()
+    assert backends.use(model, "auto", torch.bfloat16).path("linear") == "packed-bf16"
+    lin = model[0]
+    assert isinstance(lin, PackedLinear) and lin.dtype == torch.bfloat16
+    packs = calls_of(monkeypatch, fast_packed, "pack")
     x = torch.randn(5, 7, 64)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         fast = lin(x)
-        assert lin.last_path == "packed-bf16"
+        assert len(packed_calls) == 1 and packs[0][1] == torch.bfloat16
         ref = F.linear(x, lin.weight, lin.bias)  # what autocast runs: weight and input cast to bf16 per call
     assert fast.dtype == ref.dtype == torch.bfloat16 and fast.shape == ref.shape
     # Both multiply the same bf16 operands with float32 accumulation; they differ by bf16 rounding of the output.
@@ -396,30 +443,36 @@ def test_bf16_autocast_inference_runs_packed_bf16_weights(bias):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         lin.weight.mul_(-1.0)  # a weight update repacks
         torch.testing.assert_close(lin(x).float(), F.linear(x, lin.weight, lin.bias).float(), atol=2e-2, rtol=2e-2)
+    assert len(packs) == 2 and len(packed_calls) == 2
 
 
 @bf16_native
-def test_bf16_packing_only_at_inference(monkeypatch):
-    lin, x = Linear(16, 16), torch.randn(4, 16)
+def test_bf16_packing_only_at_inference(packed_calls):
+    model, x = packed(nn.Sequential(Linear(16, 16)), torch.bfloat16), torch.randn(4, 16)
+    lin = model[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lin(x)  # training mode, with gradient: autocast's own path, whose backward autograd knows
-        assert lin.last_path == "plain"
+        assert not packed_calls
         with torch.no_grad():
             lin(x)  # GradCache's no-grad training pass: the weights change every step, packing would not pay
-            assert lin.last_path == "plain"
+            assert not packed_calls
             lin.eval()(x)
-            assert lin.last_path == "packed-bf16"
-            apply(lin, Settings("off"))
-            lin(x)
-            assert lin.last_path == "plain"
+            assert len(packed_calls) == 1
+            assert backends.use(model, "torch", torch.bfloat16).path("linear") == "plain"
+            assert type(model[0]) is Linear
+            model(x)
+            assert len(packed_calls) == 1
 
 
-def test_bf16_packing_is_off_where_bf16_is_emulated(monkeypatch):
+def test_bf16_packing_is_off_where_bf16_is_emulated(monkeypatch, packed_calls):
     monkeypatch.setattr(cpu, "bf16_native", lambda: False)
-    lin = Linear(16, 16).eval()
+    model = nn.Sequential(Linear(16, 16)).eval()
+    backend = backends.use(model, "fast", torch.bfloat16)  # every fast path on, bf16 packing still not
+    assert backend.path("linear") == "plain" and "emulated" in backend.why("linear")
+    assert type(model[0]) is Linear
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        lin(torch.randn(3, 16))
-    assert lin.last_path == "plain"
+        model(torch.randn(3, 16))
+    assert not packed_calls
 
 
 def test_bf16_is_fast_follows_the_cpu_flags():

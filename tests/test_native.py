@@ -9,11 +9,14 @@ import torch
 
 from moembed.errors import MoembedError
 
-import moembed.model.linear as linear
-from moembed.model import backends, kernels, native
+import moembed.model.fast.int8 as int8
+from moembed.model import backends, cpu, kernels, native
 from moembed.model.attention import Attention
+from moembed.model.fast import is_fast
+from moembed.model.fast.int8 import Int8Linear
 from moembed.model.quantize import quantize_int8
 from moembed.model.settings import Settings
+from spy import calls_of
 
 COMPILED = native.load("rowquant") is not None and native.load("attention") is not None
 needs_compiler = pytest.mark.skipif(not COMPILED, reason=f"no C compiler builds the loops here: {native.why_not('rowquant')}")
@@ -48,15 +51,20 @@ def test_without_a_compiler_int8_and_attention_run_torch_ops(fresh_cache, monkey
     assert kernels.why_not("combine") == kernels.why_not("rowquant")
     with pytest.raises(MoembedError, match="rowquant.c is not built here"):  # called anyway: refused, not a crash
         kernels.rescale_rows(torch.ones(2, 3), torch.ones(2, 1), torch.zeros(3), False)
-    assert "per-row quantisation in torch ops (no C compiler" in linear.int8_path(Settings())
+    assert "per-row quantisation in torch ops (no C compiler" in int8.int8_path(Settings())
     emb = make_tiny("bert")
-    if linear.int8_available():
+    if cpu.int8_available():
         quantize_int8(emb)
-    assert backends.record(emb, "fast", Settings("on")).path("attention") == "torch"  # asked for, not built
+    assert backends.use(emb, "fast").path("attention") == "torch"  # asked for, not built
+    ran = calls_of(monkeypatch, int8, "int8_linear")
     assert emb.encode(["a text", "another, longer text"]).shape[0] == 2
     layer = emb.encoder.layers[0]
     assert type(layer.core) is Attention  # the plain module: nothing swapped in
-    assert layer.qkv.last_path == ("int8" if linear.int8_available() else "packed")
+    if cpu.int8_available():  # int8 matmuls, their per-row work in torch ops (`fused` off: nothing compiled)
+        assert isinstance(layer.qkv, Int8Linear) and not layer.qkv.fused
+        assert ran and not any(call[3] for call in ran)
+    else:
+        assert not is_fast(layer.qkv) and not ran
     assert not fresh_cache.exists()  # nothing was built, nothing half-built left behind
 
 

@@ -271,7 +271,7 @@ def test_the_recipe_device_reaches_every_stage(tmp_path, monkeypatch):
 
     ctx = curated_context(tmp_path, load_quickstart_config(None, device="cpu"))
     train = train_config(ctx, "moe")
-    from moembed.model.linear import bf16_is_fast
+    from moembed.model.cpu import bf16_is_fast
 
     # bf16 "auto" resolved on the recipe's device: on where this CPU's bf16 matmuls are native, off where emulated
     assert train.device == "cpu" and train.bf16 is bf16_is_fast("cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moembed.model.linear as linear
+import moembed.model.fast.int8 as int8
 from moembed.model import kernels
 from moembed.model.settings import Settings
 
@@ -31,13 +31,13 @@ def test_quantize_rows_equals_torch_ops_to_the_bit(shape):
     x = _rows(max(shape[0], 3), shape[1])[: shape[0]]
     outliers = torch.tensor([1, 30])
     keep = torch.ones(shape[1]).index_fill_(0, outliers, 0.0)
-    codes, m, xo = kernels.quantize_rows(x, keep, outliers, linear._ONEDNN_INV_STEP, 128.0)
+    codes, m, xo = kernels.quantize_rows(x, keep, outliers, int8._ONEDNN_INV_STEP, 128.0)
     # torch: the range outside the outlier channels, the scaled rows, torch's quantiser on the fixed grid
     ref_m = x.abs().index_fill(1, outliers, 0.0).amax(1, keepdim=True).clamp_min(1e-12)
     xs = x / ref_m
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref_codes = torch.quantize_per_tensor(xs, *linear.ONEDNN_GRID, torch.quint8).int_repr()
+        ref_codes = torch.quantize_per_tensor(xs, *int8.ONEDNN_GRID, torch.quint8).int_repr()
     assert torch.equal(m, ref_m)
     assert torch.equal(codes, ref_codes)
     assert torch.equal(xo, xs[:, outliers])
@@ -59,5 +59,5 @@ def test_rescale_rows_equals_rescale_bias_and_exact_gelu(gelu):
 
 
 def test_fastpath_switch_turns_the_compiled_loops_off():
-    assert not linear.fused_rows(Settings("off"))
-    assert linear.fused_rows(Settings("auto")) == COMPILED
+    assert not int8.fused_rows(Settings("off"))
+    assert int8.fused_rows(Settings("auto")) == COMPILED

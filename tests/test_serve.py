@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 import torch
 from net_helpers import free_port
+from spy import calls_of
 
 from moembed.errors import MoembedError
-from moembed.model.linear import int8_available
+from moembed.model.cpu import int8_available
 from moembed.serve.app import build_app
 from moembed.serve.config import ServeConfig
 from moembed.serve.engine import EmbedderEngine
@@ -264,21 +265,32 @@ def test_embeddings_do_not_depend_on_the_batch(kind, engines):
 
 @int8_only
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_int8_compute_serves_what_the_int8_embedder_encodes(kind, engines, embedders, model_dirs):
+def test_int8_compute_serves_what_the_int8_embedder_encodes(kind, engines, embedders, model_dirs, monkeypatch):
     """`--dtype int8`: the served rows are `Embedder.load(dtype="int8")`'s, computed on int8 matmuls."""
+    import moembed.model.fast.experts as fast_experts
+    import moembed.model.fast.int8 as fast_int8
     from moembed.model.embedder import Embedder
-    from moembed.model.linear import Linear, fused_rows, int8_kernel
+    from moembed.model.fast.experts import Int8Experts
+    from moembed.model.fast.int8 import Int8Linear, fused_rows, int8_kernel
+    from moembed.model.linear import Linear
 
     engine = engines[f"{kind}-int8"]
     assert engine.compute == f"int8 ({int8_kernel()} kernel)" and engines[kind].compute == "float32"
+    linear_calls = calls_of(monkeypatch, fast_int8, "int8_linear")
+    expert_calls = calls_of(monkeypatch, fast_experts, "int8_linear")
     with serving(engine) as s:
         got = rows(s.post({"input": TEXTS}))
+    assert linear_calls and bool(expert_calls) == (kind == "moe")  # the server's passes ran int8 matmuls
     int8 = Embedder.load(model_dirs[kind], dtype="int8")
     np.testing.assert_allclose(got, int8.encode(TEXTS), rtol=0, atol=1e-6)
     float32 = embedders[kind].encode(TEXTS)
     assert 0 < np.abs(got - float32).max() < 0.2  # int8's rounding, not another model
+    assert engine.emb.backend.path("linear") == "int8"
+    assert kind == "dense" or engine.emb.backend.path("moe") == "int8-loop"
     layers = [m for m in engine.emb.encoder.modules() if isinstance(m, Linear)]
-    assert layers and all(m.last_path == ("int8-fused" if fused_rows(m.settings) is not None else "int8") for m in layers)
+    assert layers and all(isinstance(m, Int8Linear) and m.fused == fused_rows(m.settings) for m in layers)
+    experts = [m for m in engine.emb.encoder.modules() if isinstance(m, Int8Experts)]
+    assert len(experts) == (0 if kind == "dense" else len(engine.emb.encoder.layers))
 
 
 def test_request_larger_than_the_budget_is_split(engines, embedders):
