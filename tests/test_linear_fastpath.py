@@ -205,12 +205,12 @@ def test_a_used_model_deep_copies_without_its_packed_weights(packed_calls):
     x = torch.randn(2, 8)
     with torch.no_grad():
         y = lin(x)
-    assert "packed" in lin.weight_cache
+    assert "packed-torch.float32" in lin.weight_cache
     twin = copy.deepcopy(lin)  # oneDNN's packed tensors cannot be copied: the cache is rebuilt instead
     assert isinstance(twin, PackedLinear) and not twin.weight_cache and torch.equal(twin.weight, lin.weight)
     with torch.no_grad():
         assert torch.equal(twin(x), y)  # the copy packs its own weights on first use
-    assert len(packed_calls) == 2 and "packed" in twin.weight_cache
+    assert len(packed_calls) == 2 and "packed-torch.float32" in twin.weight_cache
 
 # ---- int8 ------------------------------------------------------------------------------------------------------
 
