@@ -52,7 +52,11 @@ RECIPE_PRESETS: dict[str, dict[str, Any]] = {
         # Sized to finish within 30 minutes on 2 CPU cores (BENCHMARKS.md); --size and --steps scale it up.
         # Pretraining on the looser top-10 pool, finetuning on its top-2 pairs with a mined negative.
         "pretrain": {"steps": 30, "batch_size": 64, "lr": 5.0e-5, "warmup_steps": 3, "filter_top_k": 10},
-        "train": {"steps": 60, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 6, "max_doc_length": 64},
+        # GradCache chunks of 16 texts in both stages: the same loss and gradient with the activations of 16 texts
+        # at a time instead of the batch's (a 64-pair batch of long parliamentary pairs: 6,144 tokens), so the run
+        # stays within 4 GiB of memory (BENCHMARKS.md, "Multilingual quickstart").
+        "train": {"steps": 60, "batch_size": 32, "lr": 3.0e-5, "warmup_steps": 6, "max_doc_length": 64,
+                  "chunk_size": 16},
         # float32 only: the int8 point calibrates on up to 10,000 test texts, embedding most of them a second time
         "eval": {"suite": False, "precisions": ["float32"]},
     },
@@ -102,6 +106,10 @@ class QuickTrain(_Strict):
     max_doc_length: int = Field(96, ge=4)
     bf16: bool | Literal["auto"] = "auto"  # auto: where bf16 matmuls are native (moembed.model.cpu.bf16_is_fast)
     checkpoint_every: int = Field(50, ge=1)
+    # GradCache (Gao et al. 2021) in both stages: texts per forward pass with gradient, which bounds a step's
+    # activation memory to one chunk's for the same loss and gradient, at the price of a second forward pass
+    # without gradient. None, or a stage whose batch is no larger: the whole batch at once.
+    chunk_size: int | None = Field(None, ge=1)
 
     def bf16_on(self, device: str) -> bool:
         """Whether training autocasts to bf16 on `device` ("auto" resolved there, not in the stored config)."""

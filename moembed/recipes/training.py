@@ -149,8 +149,8 @@ def train_config(ctx: RecipeContext, kind: str, stage: str = "finetune"):
         ],
         # Sources drawn with p ∝ n^α (nomic-embed-v2 Table 2: α = 0.3); the sampler's temperature is 1/α.
         "sampler": {"temperature": 1.0 / c.sampler_alpha if c.sampler_alpha else 1.0},
-        "batch_size": t.batch_size, "max_query_length": c.train.max_query_length,
-        "max_doc_length": c.train.max_doc_length,
+        "batch_size": t.batch_size, "chunk_size": chunk_size(c.train.chunk_size, t.batch_size),
+        "max_query_length": c.train.max_query_length, "max_doc_length": c.train.max_doc_length,
         "loss": {
             "temperature": t.temperature, "num_hard_negatives": hard, "matryoshka_dims": ctx.matryoshka_dims,
             "aux_loss_coef": c.train.aux_loss_coef if kind == "moe" else 0.0,
@@ -162,6 +162,12 @@ def train_config(ctx: RecipeContext, kind: str, stage: str = "finetune"):
         "output_dir": str(out / "runs" / run_name(kind, stage)),
     }
     return load_config(None, base=base)
+
+
+def chunk_size(chunk: int | None, batch_size: int) -> int | None:
+    """The GradCache chunk of a stage with `batch_size`: None (one pass) where no chunk is set or the batch fits
+    in one (a `--batch-size` below the preset's chunk trains as it would without one)."""
+    return chunk if chunk is not None and chunk < batch_size else None
 
 
 def train(ctx: RecipeContext, kind: str, stage: str = "finetune") -> dict:
