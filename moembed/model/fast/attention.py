@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from moembed.model import kernels
 from moembed.model.attention import Attention, Layout
-from moembed.model.fast import swap
+from moembed.model.fast import plain, swap, swapped
 
 COMPILED_HEAD_DIMS = kernels.HEAD_DIMS  # what attention.c is specialised for
 COMPILED_MAX_LENGTH = kernels.MAX_LENGTH  # its longest sequence (its score rows live on the stack)
@@ -44,11 +44,11 @@ class CompiledAttention(Attention):
     @classmethod
     def from_plain(cls, core: Attention) -> CompiledAttention:
         """A compiled module of `core`'s heads, dropout, mode and settings (no weights to copy)."""
-        return _like(cls, core)
+        return swapped(core, cls)
 
     def to_plain(self) -> Attention:
         """The plain module of the same heads, dropout, mode and settings."""
-        return _like(Attention, self)
+        return plain(self)
 
     def applies(self, qkv: torch.Tensor, ctx: Layout) -> bool:
         """Whether the kernel takes this call: CPU inference (no gradient, eval mode, so no dropout) on float32 or
@@ -67,13 +67,6 @@ class CompiledAttention(Attention):
             return packed_attention(qkv, ctx.starts, ctx.lengths, self.num_heads)  # (N, H·hd)
         q, k, v = self.heads(qkv, ctx)  # each (B, H, T, hd), q and k rotated
         return self.merge(compiled_attention(q, k, v, ctx.lengths), ctx)  # (N, H·hd)
-
-
-def _like(cls: type[Attention], core: Attention) -> Attention:
-    new = cls(core.num_heads, core.head_dim, core.dropout)
-    new.train(core.training)
-    new.settings = core.settings
-    return new
 
 
 def use_compiled(model: nn.Module, on: bool) -> int:
