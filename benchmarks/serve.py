@@ -95,17 +95,24 @@ def start(kind: str, model: str, threads: int, infinity: str | None) -> tuple[su
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-serve-{kind}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    wait_ready(proc, url, f"{kind} server (log: {log.name})")
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen, url: str, what: str) -> None:
+    """Return once `url`/health answers 200 (at most ~3 minutes to load); exit naming `what` if the server process
+    ends first or never answers (then it is killed)."""
     import httpx
 
-    for _ in range(1800):  # at most ~3 minutes to load
+    for _ in range(1800):
         if proc.poll() is not None:
-            raise SystemExit(f"{kind} server exited with {proc.returncode}; see {log.name}")
+            raise SystemExit(f"{what} exited with {proc.returncode}")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         time.sleep(0.1)
     proc.kill()
-    raise SystemExit(f"{kind} server did not become ready; see {log.name}")
+    raise SystemExit(f"{what} did not become ready")
 
 
 # ---- load ----------------------------------------------------------------------------------------------------------

@@ -37,8 +37,7 @@ SETTINGS = {"default": [], "no-slices": ["--max-share-tokens", "4096"], "share-1
 
 def start(model: str, threads: int, flags: list[str], root: Path = ROOT) -> tuple[subprocess.Popen, str]:
     """`moembed serve` from the source tree `root` (this one, or --baseline's), ready to answer."""
-    import httpx
-    from serve import free_port
+    from serve import free_port, wait_ready
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(root)}
@@ -46,15 +45,8 @@ def start(model: str, threads: int, flags: list[str], root: Path = ROOT) -> tupl
     # cwd=root: `python -m` puts the working directory ahead of PYTHONPATH on sys.path
     proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1800):
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("server did not become ready")
+    wait_ready(proc, url, f"server `{' '.join(cmd)}`")
+    return proc, url
 
 
 async def _single(c, url: str, text: str) -> float:

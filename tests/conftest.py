@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,32 @@ def make_tiny(minilm_path):
         return Embedder(Encoder(cfg), tok, pooling="mean", name=f"tiny-{family}").eval()
 
     return make
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run the `moembed` entry point in this process: cli(*argv) -> CliResult(returncode, stdout, stderr)."""
+    from moembed.cli.main import main
+
+    def run(*argv: str) -> CliResult:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["moembed", *argv])
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code or 0
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return run
 
 
 @pytest.fixture

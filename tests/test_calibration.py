@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,29 +22,6 @@ from moembed.serve.engine import EmbedderEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["what is a sparse mixture of experts?", "Experts are small MLPs.", "a router picks two of them"]
-
-
-class Result:
-    def __init__(self, returncode: int, stderr: str):
-        self.returncode, self.stderr = returncode, stderr
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """Run the `moembed` entry point in this process: cli(*argv) -> Result(returncode, stderr)."""
-    from moembed.cli.main import main
-
-    def run(*argv: str) -> Result:
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", ["moembed", *argv])
-        code = 0
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code or 0
-        return Result(code, capsys.readouterr().err)
-
-    return run
 
 
 def _int8_served(model_dir: Path, emb: Embedder) -> None:

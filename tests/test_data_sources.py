@@ -110,18 +110,6 @@ def test_parquet_streams_row_groups_and_resumes(tmp_path):
     assert [e.document for e in _take(src2, 30)] == tail == [a for _, a in (pairs * 2)[23:53]]
 
 
-def test_parquet_bad_row_names_row(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = tmp_path / "b.parquet"
-    pq.write_table(pa.table({"query": ["a", None, "c"], "document": ["x", "y", "z"]}), path)
-    src = PairSource(SourceConfig(path=str(path), format="parquet", shuffle_block=0), SourceStats())
-    src.next()
-    with pytest.raises(MoembedError, match=rf"{path}:row 2: missing field 'query'"):
-        src.next()
-
-
 def test_hf_saved_dataset(tmp_path):
     import datasets
 
@@ -262,21 +250,23 @@ def test_a_lone_surrogate_is_a_bad_record_and_skip_bad_skips_it(tmp_path):
     assert stats.bad["s"] == 1
 
 
-def test_parquet_text_that_is_not_utf8_is_a_bad_row(tmp_path):
+@pytest.mark.parametrize("bad, message", [("missing", "missing field 'query'"), ("not-utf8", "not valid UTF-8")])
+def test_a_bad_parquet_row_is_named_or_skipped(tmp_path, bad, message):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = tmp_path / "u.parquet"
-    queries = pa.array([b"a", b"b\xed\xa0\x80", b"c"], pa.binary()).view(pa.string())  # an encoded surrogate
+    path = tmp_path / "b.parquet"
+    queries = {"missing": pa.array(["a", None, "c"]),
+               "not-utf8": pa.array([b"a", b"b\xed\xa0\x80", b"c"], pa.binary()).view(pa.string())}[bad]  # a surrogate
     pq.write_table(pa.table({"query": queries, "document": ["x", "y", "z"]}), path)
-    cfg = SourceConfig(path=str(path), format="parquet", name="u", negatives_field=None, shuffle_block=0)
+    cfg = SourceConfig(path=str(path), format="parquet", name="b", negatives_field=None, shuffle_block=0)
     src = PairSource(cfg, SourceStats())
     src.next()
-    with pytest.raises(MoembedError, match=rf"{path}:row 2: not valid UTF-8"):
+    with pytest.raises(MoembedError, match=rf"{path}:row 2: {message}"):
         src.next()
     stats = SourceStats()
     src = PairSource(cfg, stats, skip_bad=True)
-    assert [src.next().query for _ in range(2)] == ["a", "c"] and stats.bad["u"] == 1
+    assert [src.next().query for _ in range(2)] == ["a", "c"] and stats.bad["b"] == 1
 
 
 def test_a_directory_given_as_a_jsonl_source_says_so(tmp_path):

@@ -127,11 +127,7 @@ def serving(engine, **flags):
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    for _ in range(3000):
-        if server.started or not thread.is_alive():
-            break
-        time.sleep(0.01)
-    assert server.started, "server did not start"
+    assert wait_for(lambda: server.started or not thread.is_alive()) and server.started, "server did not start"
     try:
         yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.service)
     finally:
@@ -139,6 +135,30 @@ def serving(engine, **flags):
         thread.join(30)
         sock.close()
         assert not thread.is_alive()
+
+
+def wait_for(condition, timeout: float = 30.0):
+    """Poll `condition()` every 10 ms until it is true or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+@contextlib.contextmanager
+def held(s: Served, spy: Spy, body: dict | None = None):
+    """Hold the worker on one pass: `body` ({"input": ["hold"]}) is posted from a thread and queued behind the
+    closed gate; the block gets a list that receives its response. On exit the pass goes on and the post returns."""
+    out: list = []
+    spy.gate.clear()
+    poster = threading.Thread(target=lambda: out.append(s.post(body or {"input": ["hold"]})))
+    poster.start()
+    try:
+        assert wait_for(lambda: s.service.batcher.queue_depth), "the held request was not queued"
+        yield out
+    finally:
+        spy.gate.set()
+        poster.join(30)
 
 
 def rows(resp) -> np.ndarray:
@@ -236,24 +256,14 @@ def test_embeddings_do_not_depend_on_the_batch(kind, engines):
     crowd = [{"input": [t + f" variant {i}" for t in TEXTS] + ([target] if i == 5 else [])} for i in range(12)]
     with serving(spy, max_batch_tokens=4096) as s:
         alone = rows(s.post({"input": [target]}))[0]
-        spy.gate.clear()  # hold the worker on one pass: the crowd queues up behind it and shares the next passes
-        blocker = threading.Thread(target=s.post, args=({"input": ["hold"]},))
-        blocker.start()
-        for _ in range(3000):
-            if s.service.batcher.queue_depth:
-                break
-            time.sleep(0.01)
-        spy.batches.clear()
-        task = threading.Thread(target=lambda: out.extend(asyncio.run(_post_all(s.url, crowd))))
         out: list = []
-        task.start()
-        for _ in range(3000):  # every crowd text queued (plus the held one)
-            if s.service.batcher.queue_depth == 1 + sum(len(b["input"]) for b in crowd):
-                break
-            time.sleep(0.01)
-        spy.gate.set()
+        task = threading.Thread(target=lambda: out.extend(asyncio.run(_post_all(s.url, crowd))))
+        with held(s, spy):  # the crowd queues up behind the held pass and shares the next passes
+            spy.batches.clear()
+            task.start()
+            queued = 1 + sum(len(b["input"]) for b in crowd)  # every crowd text, plus the held one
+            assert wait_for(lambda: s.service.batcher.queue_depth == queued)
         task.join(60)
-        blocker.join(60)
     together = rows(out[5])[-1]
     ids = tuple(engines[kind].tokenize([target])[0][0])
     batch = next(b for b in spy.batches if ids in b)
@@ -367,21 +377,13 @@ def test_long_texts_truncated_by_default_or_refused(engines, embedders):
 def test_overload_answers_429_with_retry_after(engines):
     spy = Spy(engines["dense"])
     with serving(spy, max_concurrent_requests=1) as s:
-        spy.gate.clear()
-        held: list = []
-        t = threading.Thread(target=lambda: held.append(s.post({"input": ["held"]})))
-        t.start()
-        for _ in range(3000):
-            if s.service.in_flight == 1 and s.service.batcher.queue_depth == 1:
-                break
-            time.sleep(0.01)
         with httpx.Client(base_url=s.url, timeout=30) as c:  # one keep-alive connection for both requests
-            r = c.post("/v1/embeddings", json={"input": ["one too many"] * 100})
-            assert r.status_code == 429 and r.headers["retry-after"] == "1"
-            assert r.json()["error"]["type"] == "rate_limit_error"
-            spy.gate.set()
-            t.join(30)
-            assert held[0].status_code == 200
+            with held(s, spy) as first:
+                assert wait_for(lambda: s.service.in_flight == 1)
+                r = c.post("/v1/embeddings", json={"input": ["one too many"] * 100})
+                assert r.status_code == 429 and r.headers["retry-after"] == "1"
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            assert first[0].status_code == 200
             assert rows(c.post("/v1/embeddings", json={"input": ["after"]})).shape == (1, 32)
         assert 'moembed_requests_total{endpoint="embeddings",status="429"} 1.0' in httpx.get(f"{s.url}/metrics").text
 

@@ -5,13 +5,11 @@ content type, body bytes held, the character cut, disconnects, the API key's whi
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-from test_serve import TEXTS, Spy, engines, model_dirs, rows, serving  # noqa: F401 - fixtures
+from test_serve import TEXTS, Spy, engines, held, model_dirs, rows, serving, wait_for  # noqa: F401 - fixtures
 
 from moembed.errors import MoembedError
 from moembed.serve.config import ServeConfig
@@ -44,20 +42,11 @@ def test_body_size_and_bytes_held(engines):
     with serving(spy, max_request_bytes=1000, max_buffered_bytes=1200) as s:
         r = s.post({"input": ["x" * 2000]})
         assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
-        spy.gate.clear()  # one admitted request holds its 900 body bytes while the pass is held
-        held = threading.Thread(target=lambda: out.append(s.post({"input": ["y" * 880]})))
-        out: list = []
-        held.start()
-        for _ in range(3000):
-            if s.service.batcher.queue_depth:
-                break
-            time.sleep(0.01)
-        assert s.service.reader.held > 880
-        r = s.post({"input": ["z" * 400]})  # 900 + 400 bytes > 1200
-        assert r.status_code == 429 and "--max-buffered-bytes" in r.json()["error"]["message"]
-        assert r.headers["retry-after"] == "1"
-        spy.gate.set()
-        held.join(30)
+        with held(s, spy, {"input": ["y" * 880]}) as out:  # one admitted request holds its 900 body bytes
+            assert s.service.reader.held > 880
+            r = s.post({"input": ["z" * 400]})  # 900 + 400 bytes > 1200
+            assert r.status_code == 429 and "--max-buffered-bytes" in r.json()["error"]["message"]
+            assert r.headers["retry-after"] == "1"
         assert out[0].status_code == 200 and s.service.reader.held == 0
         assert rows(s.post({"input": ["z" * 400]})).shape == (1, 32)
 
@@ -82,21 +71,10 @@ def test_texts_are_cut_to_max_chars_before_tokenizing(engines, monkeypatch):
 def test_a_client_that_leaves_is_a_499_and_its_texts_are_dropped(engines):
     spy = Spy(engines["dense"])
     with serving(spy) as s:
-        spy.gate.clear()
-        blocker = threading.Thread(target=s.post, args=({"input": ["hold"]},))
-        blocker.start()
-        for _ in range(3000):
-            if s.service.batcher.queue_depth:
-                break
-            time.sleep(0.01)
-        with pytest.raises(httpx.ReadTimeout):  # gives up and closes its connection while its texts are queued
-            httpx.post(f"{s.url}/v1/embeddings", json={"input": [f"gone {i}" for i in range(50)]}, timeout=0.5)
-        for _ in range(3000):
-            if _count(s.url, "embeddings", 499):
-                break
-            time.sleep(0.01)
-        spy.gate.set()
-        blocker.join(30)
+        with held(s, spy):
+            with pytest.raises(httpx.ReadTimeout):  # gives up and closes its connection while its texts are queued
+                httpx.post(f"{s.url}/v1/embeddings", json={"input": [f"gone {i}" for i in range(50)]}, timeout=0.5)
+            assert wait_for(lambda: _count(s.url, "embeddings", 499))
         assert rows(s.post({"input": ["after"]})).shape == (1, 32)
         assert _count(s.url, "embeddings", 499) == 1 and _count(s.url, "embeddings", 500) == 0
     gone = {tuple(x) for x in engines["dense"].tokenize([f"gone {i}" for i in range(50)])[0]}

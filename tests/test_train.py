@@ -79,27 +79,12 @@ def test_overrides_parse_yaml_values():
     assert cfg.data[0].weight == 2.0 and cfg.chunk_size == 4
 
 
-def _main(argv, monkeypatch, capsys) -> tuple[int, str]:
-    """Run the `moembed` entry point in this process; (exit code, stderr)."""
-    from moembed.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["moembed", *argv])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    return code, capsys.readouterr().err
-
-
-def test_bad_config_refused_before_any_work(tmp_path, minilm_path, monkeypatch, capsys):
+def test_bad_config_refused_before_any_work(tmp_path, minilm_path, cli):
     out = tmp_path / "run"
-    code, err = _main(["train", str(TINY / "contrastive.yaml"), f"output_dir={out}", "optim.betas=[0.9]"],
-                      monkeypatch, capsys)
-    assert code == 1 and "optim.betas" in err
-    code, err = _main(["validate", str(TINY / "contrastive.yaml"), f"tokenizer={minilm_path}", "data.0.path=nope.jsonl"],
-                      monkeypatch, capsys)
-    assert code == 1 and "data.0.path" in err
+    r = cli("train", str(TINY / "contrastive.yaml"), f"output_dir={out}", "optim.betas=[0.9]")
+    assert r.returncode == 1 and "optim.betas" in r.stderr
+    r = cli("validate", str(TINY / "contrastive.yaml"), f"tokenizer={minilm_path}", "data.0.path=nope.jsonl")
+    assert r.returncode == 1 and "data.0.path" in r.stderr
     assert not out.exists()
 
 
@@ -293,12 +278,13 @@ def late_break(tmp_path_factory):
 
 
 def test_a_line_broken_late_in_the_data_stops_validate_and_train_before_step_1(tmp_path, minilm_path, late_break,
-                                                                               monkeypatch, capsys):
+                                                                               monkeypatch, cli):
     from moembed.train.loop import train
 
     args = [str(TINY / "contrastive.yaml"), *_overrides(minilm_path, tmp_path / "run", late_break)]
-    code, err = _main(["validate", *args], monkeypatch, capsys)
-    assert code == 1 and "training data: 3 malformed record(s) of 5000" in err
+    r = cli("validate", *args)
+    err = r.stderr
+    assert r.returncode == 1 and "training data: 3 malformed record(s) of 5000" in err
     assert f"{late_break}:4000: invalid JSON" in err and f"{late_break}:4700: missing field 'document'" in err
     assert f"{late_break}:4500: not valid Unicode (lone surrogate U+D800 at character 2)" in err
     steps = []
@@ -308,19 +294,14 @@ def test_a_line_broken_late_in_the_data_stops_validate_and_train_before_step_1(t
     assert not steps and not (tmp_path / "run").exists()  # no step, no checkpoint, no output directory
 
 
-def test_skip_bad_counts_them_up_front_and_trains_on_the_rest(tmp_path, minilm_path, late_break, monkeypatch,
-                                                              capsys, caplog):
-    from moembed.cli.main import main
-
+def test_skip_bad_counts_them_up_front_and_trains_on_the_rest(tmp_path, minilm_path, late_break, cli, caplog):
     args = [str(TINY / "contrastive.yaml"), *_overrides(minilm_path, tmp_path / "run", late_break), "skip_bad=true"]
-    monkeypatch.setattr(sys, "argv", ["moembed", "validate", *args])
-    with pytest.raises(SystemExit) as e:
-        main()
-    assert e.value.code in (0, None)
-    assert "data: 5000 records in 1 source(s) checked in" in capsys.readouterr().out
+    r = cli("validate", *args)
+    assert r.returncode == 0, r.stderr
+    assert "data: 5000 records in 1 source(s) checked in" in r.stdout
     caplog.clear()
-    code, err = _main(["train", *args, "steps=2", "--quiet"], monkeypatch, capsys)
-    assert code == 0, err
+    r = cli("train", *args, "steps=2", "--quiet")
+    assert r.returncode == 0, r.stderr
     skipped = [m for m in caplog.messages if m.startswith("skip_bad: 3 malformed record(s) will be skipped:")]
     assert len(skipped) == 1 and f"{late_break}:4500: not valid Unicode" in skipped[0]
     assert (tmp_path / "run" / "model").is_dir()
