@@ -4,6 +4,7 @@
     python benchmarks/moe_vs_dense.py --out /tmp/big --size large --max-pairs 40000 --data-only     # pools only
     python benchmarks/moe_vs_dense.py --out /tmp/big --size large --max-pairs 40000 --device cuda \
         --batch-size 256 --steps 500 --workers 6 --threads 2                                      # then, on a GPU
+    python benchmarks/moe_vs_dense.py --out /tmp/moe-study --summarise-only --figure-with /tmp/big  # one figure
 
 The quickstart's stages, through its public functions: the data and curated pools are built once (seed 0) in
 OUT/shared; then every (option, seed) run gets its own directory that links them, upcycles the base
@@ -16,7 +17,8 @@ Per run, OUT/runs/<option>-s<seed>/result.json: nDCG@10 per test set, dev-suite 
 parameters, training and encoding seconds, the router's gradient norm from InfoNCE alone (no auxiliary loss) on
 one training batch before and after training, and the diagnostics of `moembed.model.diagnostics` (divergence,
 entropy, load, mutual information between expert and training source) on a sample of training texts.
-OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds.
+OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds; the
+figure also plots the studies of `--figure-with DIR...` (other sizes or batches), each paired with its own control.
 
 Options (OPTIONS): dense (the control), copies (today's upcycling: 8 copies, top-2), groups (virtual groups:
 G = 4 quarter-wide slices, 2 copies, top-4: the dense model's active parameters), groups-kmeans (the same with
@@ -193,24 +195,37 @@ def summarise(args, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def figure(args, results: list[dict]) -> None:
+def figure(path: Path, studies: list[list[dict]]) -> None:
+    """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study directory
+    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle): the mean over seeds, bars from
+    min to max; each study's runs are paired with its own dense control."""
     from moembed.figures import new_figure, save_png
 
-    by = {(r["option"], r["seed"]): r for r in results}
-    fig = new_figure((6.0, 3.5))
-    ax = fig.subplots()
-    for i, option in enumerate(o for o in OPTIONS if o != "dense" and any(k[0] == o for k in by)):
-        pts = [(r["pairs_seen"], 100 * (statistics.fmean(r["scores"].values())
-                                        - statistics.fmean(by[("dense", s)]["scores"].values())))
-               for (o, s), r in by.items() if o == option and ("dense", s) in by]
-        ax.scatter([p * (1 + 0.03 * i) for p, _ in pts], [g for _, g in pts], label=option)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("training pairs seen (steps × batch)")
-    ax.set_ylabel("MoE − dense, mean nDCG@10 ×100")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    save_png(fig, args.out / "gap_vs_pairs.png", bbox_inches="tight")
+    options = [o for o in OPTIONS if o != "dense" and any(r["option"] == o for rs in studies for r in rs)]
+    fig = new_figure((9.0, 3.6))
+    axes = fig.subplots(1, 2, sharex=True)
+    for ax, key, title in zip(axes, ("scores", "suite"), ("held-out test sets", "dev suite")):
+        labelled: set[str] = set()
+        for k, results in enumerate(studies):
+            by = {(r["option"], r["seed"]): r for r in results}
+            for i, option in enumerate(options):
+                pairs = [(r, by[("dense", s)]) for (o, s), r in by.items() if o == option and ("dense", s) in by]
+                if not pairs:
+                    continue
+                gaps = [100 * (statistics.fmean(m[key].values()) - statistics.fmean(d[key].values())) for m, d in pairs]
+                x = pairs[0][0]["pairs_seen"] * (1 + 0.04 * i + 0.015 * k)  # side by side where scales meet
+                mean = statistics.fmean(gaps)
+                ax.errorbar([x], [mean], yerr=[[mean - min(gaps)], [max(gaps) - mean]], fmt="osD^"[k % 4], capsize=3,
+                            color=f"C{i}", label=None if option in labelled else option)
+                labelled.add(option)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("training pairs seen (steps × batch)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("MoE − dense, mean nDCG@10 ×100")
+    axes[0].legend(fontsize=8)
+    save_png(fig, path, bbox_inches="tight")
 
 
 def main() -> None:
@@ -229,6 +244,8 @@ def main() -> None:
     p.add_argument("--data-only", action="store_true",
                    help="only build the data pools (the curate stage then runs with the first study, e.g. on a GPU)")
     p.add_argument("--summarise-only", action="store_true", help="only rebuild the table and figure from OUT/runs")
+    p.add_argument("--figure-with", type=Path, nargs="*", default=[],
+                   help="more study directories whose runs the figure plots beside OUT's (another --size or batch)")
     args = p.parse_args()
     args.out = args.out.resolve()  # the runs link the shared pools by absolute path
     args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
@@ -249,10 +266,11 @@ def main() -> None:
             for r in pool.map(run, [args] * len(jobs), *zip(*jobs)):
                 print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
                       f"train {r['train_seconds']} s", flush=True)
-    results = [json.loads(f.read_text()) for f in sorted((args.out / "runs").glob("*/result.json"))]
-    table = summarise(args, results)
+    studies = [[json.loads(f.read_text()) for f in sorted((d / "runs").glob("*/result.json"))]
+               for d in [args.out, *args.figure_with]]
+    table = summarise(args, studies[0])
     (args.out / "table.md").write_text(table + "\n")
-    figure(args, results)
+    figure(args.out / "gap_vs_pairs.png", studies)
     print(table)
 
 

@@ -300,3 +300,25 @@ def test_report_warning_quotes_the_measured_gap():
     assert "1,000,000" not in warning  # no generic scale line: the measured gaps instead
     for name, (mean, lo, hi, seeds) in MEASURED_GAP.items():
         assert f"{name}: {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] over {seeds} seed" in warning
+
+
+def test_study_table_and_figure_pair_each_run_with_its_own_seeds_control(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from moe_vs_dense import figure, summarise
+
+    def result(option, seed, test, dev, pairs=3840):
+        return {"option": option, "seed": seed, "scores": {"a": test, "b": test}, "suite": {"s": dev},
+                "total_params": 2e6, "active_params": 1e6, "train_seconds": 1.0, "eval_seconds": 1.0,
+                "router_grad_step0": [], "router_grad_trained": [], "pairs_seen": pairs}
+
+    small = [result("dense", 0, 0.50, 0.70), result("dense", 1, 0.60, 0.70),
+             result("groups", 0, 0.51, 0.69), result("groups", 1, 0.58, 0.72)]
+    table = summarise(None, small)
+    groups = next(line for line in table.splitlines() if line.startswith("| groups |"))
+    assert "| -0.50 [-2.00, +1.00] | +0.50 [-1.00, +2.00] |" in groups  # seed by seed: +1, -2 test; -1, +2 dev
+    large = [result("dense", 0, 0.40, 0.70, 128000), result("groups", 0, 0.39, 0.70, 128000)]
+    figure(tmp_path / "gap.png", [small, large])
+    assert (tmp_path / "gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
