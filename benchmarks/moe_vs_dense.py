@@ -5,19 +5,24 @@
     python benchmarks/moe_vs_dense.py --out /tmp/big --size large --max-pairs 40000 --device cuda \
         --batch-size 256 --steps 500 --workers 6 --threads 2                                      # then, on a GPU
     python benchmarks/moe_vs_dense.py --out /tmp/moe-study --summarise-only --figure-with /tmp/big  # one figure
+    python benchmarks/moe_vs_dense.py --out /tmp/ml-study --preset multilingual --workers 2      # the other recipe
 
 The quickstart's stages, through its public functions: the data and curated pools are built once (seed 0) in
 OUT/shared; then every (option, seed) run gets its own directory that links them, upcycles the base
 (`moembed.recipes.training.upcycle`, the option's `upcycling:` keys), trains the one model it is about
-(`training.train`) and evaluates it at full dimension in float32 on the recipe's held-out test sets and on the
-built-in dev suite (`moembed.eval.suite`, retrieval tasks of `--suite-datasets` plus its reranking, classification,
-clustering and pair tasks). A seed changes the router initialisation and the order of batches, not the data.
+(`training.train`; the preset's pretraining stage first where it has one) and evaluates it at full dimension in
+float32 on the recipe's held-out test sets and on the built-in dev suite (`moembed.eval.suite`, retrieval tasks of
+`--suite-datasets` plus its reranking, classification, clustering and pair tasks). `--preset` picks the recipe
+(english, multilingual: moembed.recipes.config.RECIPE_PRESETS), laid under the study's settings and the option's
+keys. A seed changes the router initialisation and the order of batches, not the data.
 
 Per run, OUT/runs/<option>-s<seed>/result.json: nDCG@10 per test set, dev-suite main scores, total and active
 parameters, training and encoding seconds, the router's gradient norm from InfoNCE alone (no auxiliary loss) on
 one training batch before and after training, and the diagnostics of `moembed.model.diagnostics` (divergence,
 entropy, load, mutual information between expert and training source) on a sample of training texts.
-OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds; the
+OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per
+test set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts
+once in its group's mean and in the mean over all); pairs seen count both stages' steps × batch. The
 figure also plots the studies of `--figure-with DIR...` (other sizes or batches), each paired with its own control.
 
 Options (OPTIONS): dense (the control), copies (today's upcycling: 8 copies, top-2), groups (virtual groups:
@@ -51,13 +56,14 @@ OPTIONS: dict[str, dict] = {
 
 
 def config(args, option: str, seed: int):
-    from moembed.recipes.config import QuickstartConfig
+    """The quickstart config of one run: preset ← the study's settings ← the option's keys."""
+    from moembed.recipes.config import RECIPE_PRESETS, QuickstartConfig, merge
 
-    doc = {"size": args.size, "max_pairs": args.max_pairs, "seed": seed, "device": args.device, "eval": {"precisions": ["float32"], "suite": False}}
-    over = dict(OPTIONS[option])
-    train = {**over.pop("train", {}), **({"steps": args.steps} if args.steps else {}),
-             **({"batch_size": args.batch_size} if args.batch_size else {})}
-    return QuickstartConfig(**{**doc, **over, "train": train})
+    doc = {"preset": args.preset, "size": args.size, "max_pairs": args.max_pairs, "seed": seed, "device": args.device,
+           "eval": {"precisions": ["float32"], "suite": False},
+           "train": {**({"steps": args.steps} if args.steps else {}),
+                     **({"batch_size": args.batch_size} if args.batch_size else {})}}
+    return QuickstartConfig(**merge(merge(RECIPE_PRESETS[args.preset], doc), OPTIONS[option]))
 
 
 def write_stage(ctx, name: str, result: dict) -> None:
@@ -112,14 +118,16 @@ def run(args, option: str, seed: int) -> dict:
     from moembed.recipes import training
     from moembed.recipes.curation import held_out_dirs
     from moembed.recipes.quickstart import open_context
+    from moembed.recipes.report_text import group_of
 
     out = args.out / "runs" / f"{option}-s{seed}"
     if (out / "result.json").exists():
         return json.loads((out / "result.json").read_text())
     shared = args.out / "shared"
-    out.mkdir(parents=True, exist_ok=True)
-    for d in ("data", "train"):
-        if not (out / d).exists():
+    (out / "models").mkdir(parents=True, exist_ok=True)
+    # the pools, and a base converted from a registry package (OUT/shared/models/base-<name>), are shared
+    for d in ["data", "train", "pretrain", *(f"models/{b.name}" for b in (shared / "models").glob("base-*"))]:
+        if (shared / d).exists() and not (out / d).exists():
             (out / d).symlink_to(shared / d)
     ctx = open_context(config(args, option, seed), out, progress=False, owns_process=True)
     for name in ("data", "curate"):
@@ -130,8 +138,10 @@ def run(args, option: str, seed: int) -> dict:
     rows = {s: [r for _, r in iter_jsonl(out / "train" / f"{s}.jsonl")] for s in sources}
     batch = [r for s in sorted(rows) for r in rows[s][:8]][:32]
     grad0 = router_gradient(Embedder.load(out / "models" / f"{kind}-init", device=args.device), batch) if kind == "moe" else []
+    stages = ["pretrain", "finetune"] if ctx.cfg.pretrain is not None else ["finetune"]
     t = time.perf_counter()
-    training.train(ctx, kind)
+    for stage in stages:
+        training.train(ctx, kind, stage)
     train_s = time.perf_counter() - t
     model = Embedder.load(out / "runs" / kind / "model", device=args.device)
     grad1 = router_gradient(model, batch) if kind == "moe" else []
@@ -149,12 +159,19 @@ def run(args, option: str, seed: int) -> dict:
     if kind == "moe":
         texts = [(s, r["document"]) for s in sorted(rows) for r in rows[s][:100]]
         diag = [d.as_dict() for d in diagnose(model, [x for _, x in texts], [s for s, _ in texts])]
+    test_sets = ctx.stage_result("data").get("test_sets") or {}  # a data suite's, with their languages
+    c = ctx.cfg
     result = {"option": option, "seed": seed, "scores": scores, "suite": suite, "total_params": total,
               "active_params": active, "train_seconds": round(train_s, 1), "eval_seconds": round(encode_s, 1),
               "router_grad_step0": grad0, "router_grad_trained": grad1, "diagnostics": diag,
-              "pairs_seen": ctx.cfg.train.steps * ctx.cfg.train.batch_size, "threads": args.threads}
+              "pairs_seen": c.train.steps * c.train.batch_size + (c.pretrain.steps * c.pretrain.batch_size
+                                                                  if c.pretrain else 0),
+              "groups": {name: group_of(t) for name, t in test_sets.items()}, "threads": args.threads}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    shutil.rmtree(out / "runs" / kind / "checkpoints", ignore_errors=True)
+    # what the result came from stays (the trained model); starting points and checkpoints can be made again
+    for d in [out / "models", *(out / "runs" / training.run_name(kind, s) / "checkpoints" for s in stages),
+              *([out / "runs" / training.run_name(kind, "pretrain")] if "pretrain" in stages else [])]:
+        shutil.rmtree(d, ignore_errors=True)
     return result
 
 
@@ -163,26 +180,46 @@ def spread(xs: list[float]) -> str:
     return f"{m:+.2f} [{min(xs):+.2f}, {max(xs):+.2f}]"
 
 
+def paired(results: list[dict], option: str) -> list[tuple[dict, dict]]:
+    """(run, dense control of the same seed) for every seed of `option` that has both."""
+    by = {(r["option"], r["seed"]): r for r in results}
+    return [(r, by[("dense", s)]) for (o, s), r in sorted(by.items()) if o == option and ("dense", s) in by]
+
+
+def paired_gaps(results: list[dict], option: str, score) -> list[float]:
+    """MoE − dense ×100 of `score(result)` per seed (the dense control's own, absolute, for option "dense")."""
+    return [100 * (score(m) - (0 if option == "dense" else score(d))) for m, d in paired(results, option)]
+
+
+def mean_of(key: str, names: list[str] | None = None):
+    """score(result): the mean of result[key] over `names` (None: all of them)."""
+    return lambda r: statistics.fmean(r[key][n] for n in (names or r[key]))
+
+
+def columns(result: dict) -> dict[str, list[str]]:
+    """The table's test columns: each test set (English), or each group of test sets (a multilingual suite)."""
+    from moembed.recipes.report_text import GROUPS
+
+    groups = result.get("groups") or {}
+    if not groups:
+        return {t: [t] for t in sorted(result["scores"])}
+    return {g: [n for n in sorted(groups) if groups[n] == g] for g in GROUPS if g in groups.values()}
+
+
 def summarise(args, results: list[dict]) -> str:
     """Markdown table of MoE − dense (×100) per option: mean over seeds [min, max], seeds paired."""
-    by = {(r["option"], r["seed"]): r for r in results}
-    seeds = sorted({r["seed"] for r in results})
-    dense = {s: by[("dense", s)] for s in seeds if ("dense", s) in by}
-    tests = sorted(next(iter(dense.values()))["scores"]) if dense else []
-    lines = ["| option | seeds | " + " | ".join(tests) + " | mean test | dev suite | params active / total | "
-             "train s | eval s | router grad step 0 → trained |",
+    dense = [r for r in results if r["option"] == "dense"]
+    tests = columns(dense[0]) if dense else {}
+    lines = ["| option | seeds | " + " | ".join(f"{t} ({len(n)})" if len(n) > 1 else t for t, n in tests.items())
+             + " | mean test | dev suite | params active / total | train s | eval s | router grad step 0 → trained |",
              "|" + "---|" * (len(tests) + 8)]
-    for option in [o for o in OPTIONS if any(k[0] == o for k in by)]:
-        runs = [(by[(option, s)], dense[s]) for s in seeds if (option, s) in by and s in dense]
+    for option in OPTIONS:
+        runs = paired(results, option)
         if not runs:
             continue
-
-        def gap(f):
-            return [100 * (f(m) - (0 if option == "dense" else f(d))) for m, d in runs]
-
-        cells = [spread(gap(lambda r, t=t: r["scores"][t])) for t in tests]
-        mean_test = gap(lambda r: statistics.fmean(r["scores"].values()))
-        dev = gap(lambda r: statistics.fmean(r["suite"].values()))
+        cells = [spread(paired_gaps(results, option, mean_of("scores", names))) for names in tests.values()]
+        mean_test = paired_gaps(results, option, mean_of("scores"))
+        dev = paired_gaps(results, option, mean_of("suite"))
         m = runs[0][0]
         g0 = [statistics.fmean(r["router_grad_step0"]) for r, _ in runs if r["router_grad_step0"]]
         g1 = [statistics.fmean(r["router_grad_trained"]) for r, _ in runs if r["router_grad_trained"]]
@@ -197,7 +234,7 @@ def summarise(args, results: list[dict]) -> str:
 
 def figure(path: Path, studies: list[list[dict]]) -> None:
     """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study directory
-    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle): the mean over seeds, bars from
+    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle): the mean over seeds, bars from
     min to max; each study's runs are paired with its own dense control."""
     from moembed.figures import new_figure, save_png
 
@@ -207,15 +244,13 @@ def figure(path: Path, studies: list[list[dict]]) -> None:
     for ax, key, title in zip(axes, ("scores", "suite"), ("held-out test sets", "dev suite")):
         labelled: set[str] = set()
         for k, results in enumerate(studies):
-            by = {(r["option"], r["seed"]): r for r in results}
             for i, option in enumerate(options):
-                pairs = [(r, by[("dense", s)]) for (o, s), r in by.items() if o == option and ("dense", s) in by]
-                if not pairs:
+                gaps = paired_gaps(results, option, mean_of(key))
+                if not gaps:
                     continue
-                gaps = [100 * (statistics.fmean(m[key].values()) - statistics.fmean(d[key].values())) for m, d in pairs]
-                x = pairs[0][0]["pairs_seen"] * (1 + 0.04 * i + 0.015 * k)  # side by side where scales meet
+                x = paired(results, option)[0][0]["pairs_seen"] * (1 + 0.04 * i + 0.015 * k)  # side by side
                 mean = statistics.fmean(gaps)
-                ax.errorbar([x], [mean], yerr=[[mean - min(gaps)], [max(gaps) - mean]], fmt="osD^"[k % 4], capsize=3,
+                ax.errorbar([x], [mean], yerr=[[mean - min(gaps)], [max(gaps) - mean]], fmt="osD^v"[k % 5], capsize=3,
                             color=f"C{i}", label=None if option in labelled else option)
                 labelled.add(option)
         ax.axhline(0, color="grey", lw=0.8)
@@ -233,6 +268,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--options", default="dense,copies,groups")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--preset", default="english", help="the recipe: english or multilingual (RECIPE_PRESETS)")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
     p.add_argument("--max-pairs", type=int, default=None, help="training pairs per built-in dataset (default: by --size)")
     p.add_argument("--steps", type=int, default=None, help="finetuning steps (default: the quickstart's)")
@@ -250,6 +286,10 @@ def main() -> None:
     args.out = args.out.resolve()  # the runs link the shared pools by absolute path
     args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    from moembed.recipes.config import RECIPE_PRESETS
+
+    if args.preset not in RECIPE_PRESETS:
+        sys.exit(f"unknown preset {args.preset!r}; choose from {', '.join(RECIPE_PRESETS)}")
     options = args.options.split(",")
     bad = [o for o in options if o not in OPTIONS]
     if bad:

