@@ -118,7 +118,7 @@ def run(args, option: str, seed: int) -> dict:
     from moembed.recipes import training
     from moembed.recipes.curation import held_out_dirs
     from moembed.recipes.quickstart import open_context
-    from moembed.recipes.report_text import group_of
+    from moembed.recipes.report_text import group_members
 
     out = args.out / "runs" / f"{option}-s{seed}"
     if (out / "result.json").exists():
@@ -166,11 +166,13 @@ def run(args, option: str, seed: int) -> dict:
               "router_grad_step0": grad0, "router_grad_trained": grad1, "diagnostics": diag,
               "pairs_seen": c.train.steps * c.train.batch_size + (c.pretrain.steps * c.pretrain.batch_size
                                                                   if c.pretrain else 0),
-              "groups": {name: group_of(t) for name, t in test_sets.items()}, "threads": args.threads}
+              "groups": {g: n for g, n in group_members(test_sets).items() if g != "all"}, "threads": args.threads}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     # what the result came from stays (the trained model); starting points and checkpoints can be made again
-    for d in [out / "models", *(out / "runs" / training.run_name(kind, s) / "checkpoints" for s in stages),
-              *([out / "runs" / training.run_name(kind, "pretrain")] if "pretrain" in stages else [])]:
+    made_again = [out / "models", out / "runs" / kind / "checkpoints"]
+    if "pretrain" in stages:
+        made_again.append(out / "runs" / training.run_name(kind, "pretrain"))
+    for d in made_again:
         shutil.rmtree(d, ignore_errors=True)
     return result
 
@@ -197,13 +199,8 @@ def mean_of(key: str, names: list[str] | None = None):
 
 
 def columns(result: dict) -> dict[str, list[str]]:
-    """The table's test columns: each test set (English), or each group of test sets (a multilingual suite)."""
-    from moembed.recipes.report_text import GROUPS
-
-    groups = result.get("groups") or {}
-    if not groups:
-        return {t: [t] for t in sorted(result["scores"])}
-    return {g: [n for n in sorted(groups) if groups[n] == g] for g in GROUPS if g in groups.values()}
+    """The table's test columns: each group of test sets (a multilingual suite), or else each test set."""
+    return result.get("groups") or {t: [t] for t in sorted(result["scores"])}
 
 
 def summarise(args, results: list[dict]) -> str:
@@ -234,8 +231,8 @@ def summarise(args, results: list[dict]) -> str:
 
 def figure(path: Path, studies: list[list[dict]]) -> None:
     """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study directory
-    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle): the mean over seeds, bars from
-    min to max; each study's runs are paired with its own dense control."""
+    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle): the mean
+    over seeds, bars from min to max; each study's runs are paired with its own dense control."""
     from moembed.figures import new_figure, save_png
 
     options = [o for o in OPTIONS if o != "dense" and any(r["option"] == o for rs in studies for r in rs)]
@@ -264,11 +261,13 @@ def figure(path: Path, studies: list[list[dict]]) -> None:
 
 
 def main() -> None:
+    from moembed.recipes.config import RECIPE_PRESETS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--options", default="dense,copies,groups")
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--preset", default="english", help="the recipe: english or multilingual (RECIPE_PRESETS)")
+    p.add_argument("--preset", default="english", choices=list(RECIPE_PRESETS), help="the recipe")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])
     p.add_argument("--max-pairs", type=int, default=None, help="training pairs per built-in dataset (default: by --size)")
     p.add_argument("--steps", type=int, default=None, help="finetuning steps (default: the quickstart's)")
@@ -286,10 +285,6 @@ def main() -> None:
     args.out = args.out.resolve()  # the runs link the shared pools by absolute path
     args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    from moembed.recipes.config import RECIPE_PRESETS
-
-    if args.preset not in RECIPE_PRESETS:
-        sys.exit(f"unknown preset {args.preset!r}; choose from {', '.join(RECIPE_PRESETS)}")
     options = args.options.split(",")
     bad = [o for o in options if o not in OPTIONS]
     if bad:

@@ -338,10 +338,16 @@ def test_study_groups_a_multilingual_suites_test_sets_and_layers_the_preset(tmp_
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from moe_vs_dense import config, summarise
 
-    groups = {"x-en-de": "cross-lingual", "y-de": "non-English", "z-fr": "non-English", "w-en": "English"}
+    from moembed.recipes.report_text import group_members
+
+    names = ["x-en-de", "y-de", "z-fr", "w-en"]
+    langs = [("en", "de"), ("de", "de"), ("fr", "fr"), ("en", "en")]
+    test_sets = {n: {"query_lang": q, "doc_lang": d} for n, (q, d) in zip(names, langs)}
+    groups = {g: n for g, n in group_members(test_sets).items() if g != "all"}  # as a run stores them
+    assert groups == {"cross-lingual": ["x-en-de"], "non-English": ["y-de", "z-fr"], "English": ["w-en"]}
 
     def result(option, seed, scores):
-        return {"option": option, "seed": seed, "scores": dict(zip(groups, scores)), "suite": {"s": 0.5},
+        return {"option": option, "seed": seed, "scores": dict(zip(names, scores)), "suite": {"s": 0.5},
                 "total_params": 2e6, "active_params": 1e6, "train_seconds": 1.0, "eval_seconds": 1.0,
                 "router_grad_step0": [], "router_grad_trained": [], "pairs_seen": 3840, "groups": groups}
 

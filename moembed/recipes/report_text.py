@@ -73,9 +73,9 @@ def decisions(ctx: RecipeContext, stages: dict) -> dict:
     if trained < MOE_DATA_SCALE:
         out["warning"] = (
             f"the data is too small for the MoE to be expected to help: {trained:,} training pairs "
-            f"({seen:,} examples seen in {t.steps} steps). {measured_gap(c.preset)} nomic-embed-v2-moe §7.2 saw an MoE model "
-            "underperform its dense counterpart even with 100M contrastive pairs: MoE needs data scale. At this "
-            "scale the dense model is the safer choice.")
+            f"({seen:,} examples seen in {t.steps} steps). {measured_gap(c.preset)} nomic-embed-v2-moe §7.2 saw an "
+            "MoE model underperform its dense counterpart even with 100M contrastive pairs: MoE needs data scale. At "
+            "this scale the dense model is the safer choice.")
     return out
 
 
@@ -127,15 +127,18 @@ def group_of(test_set: dict) -> str:
     return "English" if test_set["query_lang"] == "en" else "non-English"
 
 
+def group_members(test_sets: dict) -> dict[str, list[str]]:
+    """Each of GROUPS that has test sets → their names ("all": every one), in GROUPS order."""
+    members = {g: [n for n, t in test_sets.items() if g == "all" or group_of(t) == g] for g in GROUPS}
+    return {g: names for g, names in members.items() if names}
+
+
 def group_summary(summary: dict, test_sets: dict) -> str:
     """The terminal headline of a run over many languages: per group of test sets (GROUPS), mean nDCG@10 ×100 of
     base, dense and MoE at full dimension in float32, each test set counting once; the per-set and per-language
     tables stay in the report."""
-    members = {g: [n for n, t in test_sets.items() if g == "all" or group_of(t) == g] for g in GROUPS}
     lines = ["| test sets | n | base | dense | MoE | MoE − dense |", "|---|---|---|---|---|---|"]
-    for g, names in members.items():
-        if not names:
-            continue
+    for g, names in group_members(test_sets).items():
         b, d, m = (100 * sum(summary[x]["per_task"].get(n, float("nan")) for n in names) / len(names)
                    for x in ("base", "dense", "moe"))
         lines.append(f"| {g} | {len(names)} | {b:.1f} | {d:.1f} | {m:.1f} | {m - d:+.1f} |")
