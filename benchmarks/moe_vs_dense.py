@@ -57,17 +57,19 @@ OPTIONS: dict[str, dict] = {
 }
 
 
+def given(**keys) -> dict:
+    """The keys the command line set (the preset keeps the others)."""
+    return {k: v for k, v in keys.items() if v}
+
+
 def config(args, option: str, seed: int):
     """The quickstart config of one run: preset ← the study's settings ← the option's keys."""
     from moembed.recipes.config import RECIPE_PRESETS, QuickstartConfig, merge
 
     doc = {"preset": args.preset, "size": args.size, "max_pairs": args.max_pairs, "seed": seed, "device": args.device,
            "eval": {"precisions": ["float32"], "suite": False},
-           "train": {**({"steps": args.steps} if args.steps else {}),
-                     **({"batch_size": args.batch_size} if args.batch_size else {})}}
-    pretrain = {**({"steps": args.pretrain_steps} if args.pretrain_steps else {}),
-                **({"batch_size": args.pretrain_batch_size} if args.pretrain_batch_size else {})}
-    if pretrain:
+           "train": given(steps=args.steps, batch_size=args.batch_size)}
+    if pretrain := given(steps=args.pretrain_steps, batch_size=args.pretrain_batch_size):
         doc["pretrain"] = pretrain
     return QuickstartConfig(**merge(merge(RECIPE_PRESETS[args.preset], doc), OPTIONS[option]))
 
@@ -237,9 +239,8 @@ def summarise(args, results: list[dict]) -> str:
 
 def figure(path: Path, studies: list[list[dict]]) -> None:
     """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study directory
-    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle,
-    plus): the mean
-    over seeds, bars from min to max; each study's runs are paired with its own dense control."""
+    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle, plus):
+    the mean over seeds, bars from min to max; each study's runs are paired with its own dense control."""
     from moembed.figures import new_figure, save_png
 
     options = [o for o in OPTIONS if o != "dense" and any(r["option"] == o for rs in studies for r in rs)]
