@@ -5,6 +5,8 @@
     python benchmarks/moe_vs_dense.py --out /tmp/big --size large --max-pairs 40000 --device cuda \
         --batch-size 256 --steps 500 --workers 6 --threads 2                                      # then, on a GPU
     python benchmarks/moe_vs_dense.py --out /tmp/moe-study --summarise-only --figure-with /tmp/big  # one figure
+    python benchmarks/moe_vs_dense.py --figure docs/img/moe_vs_dense.png \
+        --figure-with benchmarks/results/moe_vs_dense/*.json     # the docs' figure, from the studies' gaps
     python benchmarks/moe_vs_dense.py --out /tmp/ml-study --preset multilingual --workers 2      # the other recipe
     python benchmarks/moe_vs_dense.py --out /tmp/ml-b2 --preset multilingual --pretrain-batch-size 128 \
         --pretrain-steps 15 --batch-size 64 --steps 30 --workers 2      # twice the batches, the same pairs seen
@@ -24,8 +26,11 @@ one training batch before and after training, and the diagnostics of `moembed.mo
 entropy, load, mutual information between expert and training source) on a sample of training texts.
 OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per
 test set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts
-once in its group's mean and in the mean over all); pairs seen count both stages' steps × batch. The
-figure also plots the studies of `--figure-with DIR...` (other sizes or batches), each paired with its own control.
+once in its group's mean and in the mean over all); pairs seen count both stages' steps × batch. OUT/gaps.json:
+what the figure plots of the study (per option the gap of each seed on the mean test score and on the dev suite,
+the pairs seen, `--label`); benchmarks/results/moe_vs_dense/ keeps those of the studies in docs/moe.md. The
+figure also plots the studies of `--figure-with` (study directories or gaps files: other sizes, batches, recipes),
+each paired with its own control.
 
 Options (OPTIONS): dense (the control), copies (today's upcycling: 8 copies, top-2), groups (virtual groups:
 G = 4 quarter-wide slices, 2 copies, top-4: the dense model's active parameters), groups-kmeans (the same with
@@ -68,7 +73,7 @@ def config(args, option: str, seed: int):
 
     doc = {"preset": args.preset, "size": args.size, "max_pairs": args.max_pairs, "seed": seed, "device": args.device,
            "eval": {"precisions": ["float32"], "suite": False},
-           "train": given(steps=args.steps, batch_size=args.batch_size)}
+           "train": given(steps=args.steps, batch_size=args.batch_size, chunk_size=args.chunk_size)}
     if pretrain := given(steps=args.pretrain_steps, batch_size=args.pretrain_batch_size):
         doc["pretrain"] = pretrain
     return QuickstartConfig(**merge(merge(RECIPE_PRESETS[args.preset], doc), OPTIONS[option]))
@@ -237,34 +242,104 @@ def summarise(args, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def figure(path: Path, studies: list[list[dict]]) -> None:
-    """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study directory
-    (marker: OUT's a circle, then --figure-with's in order square, diamond, triangle, inverted triangle, plus):
-    the mean over seeds, bars from min to max; each study's runs are paired with its own dense control."""
+def study_gaps(results: list[dict], label: str) -> dict:
+    """What the figure plots of one study: per MoE option its gap to the dense control of the same seed (×100),
+    seed by seed to 1e-4 of a point, on the mean over the test sets ("test") and over the dev suite ("dev"), at
+    its pairs seen."""
+    seen = sorted({r["pairs_seen"] for r in results})
+    if len(seen) != 1:
+        raise SystemExit(f"{label}: " + (f"its runs saw {seen} pairs; a study's runs all see the same" if seen else
+                                         "no runs (runs/*/result.json)"))
+    gaps = {o: {k: [round(g, 4) for g in paired_gaps(results, o, mean_of(key))]
+                for k, key in (("test", "scores"), ("dev", "suite"))}
+            for o in OPTIONS if o != "dense" and paired(results, o)}
+    return {"label": label, "pairs_seen": seen[0], "gaps": gaps}
+
+
+def dump_study(study: dict) -> str:
+    """A gaps file's text: one line per option."""
+    head = [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in study.items() if k != "gaps"]
+    rows = [f"  {json.dumps(o)}: {json.dumps(g)}" for o, g in study["gaps"].items()]
+    return "{\n" + "\n".join(head) + '\n "gaps": {\n' + ",\n".join(rows) + "\n }\n}\n"
+
+
+def label_of(study: Path) -> str:
+    """A study directory's name in the figure: the label its gaps.json keeps (`--label`), else the directory's."""
+    saved = study / "gaps.json"
+    return json.loads(saved.read_text()).get("label", study.name) if saved.exists() else study.name
+
+
+def load_study(path: Path) -> dict:
+    """A study for the figure: a study directory (its runs) or a gaps file, checked: a bad one is refused naming
+    the file and the key."""
+    if path.is_dir():
+        return study_gaps([json.loads(f.read_text()) for f in sorted((path / "runs").glob("*/result.json"))],
+                          label_of(path))
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not a study directory or a gaps file ({e})") from None
+
+    def bad(key: str, what: str):
+        raise SystemExit(f"{path}: {key}: {what}")
+
+    if not isinstance(doc, dict) or set(doc) - {"label", "pairs_seen", "gaps", "source"}:
+        bad("(top level)", "an object with label, pairs_seen, gaps and optionally source")
+    if not isinstance(doc.get("label"), str) or not doc["label"]:
+        bad("label", "the study's name in the figure, a string")
+    if not isinstance(doc.get("pairs_seen"), int) or doc["pairs_seen"] < 1:
+        bad("pairs_seen", "training pairs seen, a positive integer")
+    if not isinstance(doc.get("gaps"), dict) or not doc["gaps"]:
+        bad("gaps", "an object of options, each {\"test\": [...], \"dev\": [...]}")
+    for option, per in doc["gaps"].items():
+        if option not in OPTIONS or option == "dense":
+            bad(f"gaps.{option}", f"not an MoE option ({', '.join(o for o in OPTIONS if o != 'dense')})")
+        if not isinstance(per, dict) or set(per) != {"test", "dev"}:
+            bad(f"gaps.{option}", "an object with test and dev")
+        for key, xs in per.items():
+            if not isinstance(xs, list) or not xs or not all(isinstance(x, (int, float)) for x in xs):
+                bad(f"gaps.{option}.{key}", "a non-empty list of numbers, one gap per seed")
+    return doc
+
+
+def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
+    """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study (marker, named
+    in the legend below): the mean over seeds, bars from min to max. A mean below `floor` is drawn on the floor
+    with its value written beside it, so that one broken option does not flatten the others against zero."""
+    from matplotlib.lines import Line2D
+
     from moembed.figures import new_figure, save_png
 
-    options = [o for o in OPTIONS if o != "dense" and any(r["option"] == o for rs in studies for r in rs)]
-    fig = new_figure((9.0, 3.6))
+    options = [o for o in OPTIONS if o != "dense" and any(o in s["gaps"] for s in studies)]
+    markers = "osD^vPX*"
+    fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
-    for ax, key, title in zip(axes, ("scores", "suite"), ("held-out test sets", "dev suite")):
-        labelled: set[str] = set()
-        for k, results in enumerate(studies):
+    for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
+        for k, study in enumerate(studies):
             for i, option in enumerate(options):
-                gaps = paired_gaps(results, option, mean_of(key))
+                gaps = study["gaps"].get(option, {}).get(key)
                 if not gaps:
                     continue
-                x = paired(results, option)[0][0]["pairs_seen"] * (1 + 0.04 * i + 0.015 * k)  # side by side
-                mean = statistics.fmean(gaps)
-                ax.errorbar([x], [mean], yerr=[[mean - min(gaps)], [max(gaps) - mean]], fmt="osD^vP"[k % 6], capsize=3,
-                            color=f"C{i}", label=None if option in labelled else option)
-                labelled.add(option)
+                x = study["pairs_seen"] * (1 + 0.04 * i + 0.03 * k)  # side by side
+                mean, style = statistics.fmean(gaps), {"fmt": markers[k % len(markers)], "color": f"C{i}"}
+                if mean < floor:
+                    ax.errorbar([x], [floor], **style)
+                    ax.annotate(f"{mean:+.1f} (off scale)", (x, floor), xytext=(5, -3), textcoords="offset points",
+                                fontsize=7, color=f"C{i}")
+                else:
+                    ax.errorbar([x], [mean], yerr=[[mean - max(min(gaps), floor)], [max(gaps) - mean]], capsize=3,
+                                **style)
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("training pairs seen (steps × batch)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MoE − dense, mean nDCG@10 ×100")
-    axes[0].legend(fontsize=8)
+    axes[0].legend([Line2D([], [], color=f"C{i}", marker="o", ls="") for i in range(len(options))], options,
+                   fontsize=8, title="option", title_fontsize=8)
+    fig.legend([Line2D([], [], color="grey", marker=markers[k % len(markers)], ls="") for k in range(len(studies))],
+               [s["label"] for s in studies], loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.0),
+               title="study (benchmarks/results/moe_vs_dense/)", title_fontsize=8)
     save_png(fig, path, bbox_inches="tight")
 
 
@@ -272,7 +347,7 @@ def main() -> None:
     from moembed.recipes.config import RECIPE_PRESETS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="the study's directory (runs, table, figure, gaps)")
     p.add_argument("--options", default="dense,copies,groups")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--preset", default="english", choices=list(RECIPE_PRESETS), help="the recipe")
@@ -282,6 +357,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=None, help="finetuning batch (default: the quickstart's)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="pretraining steps (a preset with that stage)")
     p.add_argument("--pretrain-batch-size", type=int, default=None, help="pretraining batch (ditto)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="GradCache chunk in both stages: texts per forward pass with gradient (a large batch's memory)")
     p.add_argument("--suite-datasets", default="gcide", help="dev suite retrieval corpora, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="runs at a time, each in its own process")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / workers)")
@@ -290,8 +367,16 @@ def main() -> None:
                    help="only build the data pools (the curate stage then runs with the first study, e.g. on a GPU)")
     p.add_argument("--summarise-only", action="store_true", help="only rebuild the table and figure from OUT/runs")
     p.add_argument("--figure-with", type=Path, nargs="*", default=[],
-                   help="more study directories whose runs the figure plots beside OUT's (another --size or batch)")
+                   help="more studies the figure plots beside OUT's: study directories or their gaps.json files")
+    p.add_argument("--figure", type=Path, default=None,
+                   help="where the figure goes (default OUT/gap_vs_pairs.png); without --out, only the figure")
+    p.add_argument("--label", default=None, help="the study's name in the figure's legend (default: OUT's name)")
     args = p.parse_args()
+    if args.out is None:
+        if args.figure is None or not args.figure_with:
+            p.error("--out is required, unless --figure draws the studies of --figure-with alone")
+        figure(args.figure, [load_study(path) for path in args.figure_with])
+        return
     if (args.pretrain_steps or args.pretrain_batch_size) and RECIPE_PRESETS[args.preset].get("pretrain") is None:
         p.error(f"--pretrain-steps / --pretrain-batch-size: the {args.preset} recipe has no pretraining stage")
     args.out = args.out.resolve()  # the runs link the shared pools by absolute path
@@ -313,11 +398,12 @@ def main() -> None:
             for r in pool.map(run, [args] * len(jobs), *zip(*jobs)):
                 print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
                       f"train {r['train_seconds']} s", flush=True)
-    studies = [[json.loads(f.read_text()) for f in sorted((d / "runs").glob("*/result.json"))]
-               for d in [args.out, *args.figure_with]]
-    table = summarise(args, studies[0])
+    results = [json.loads(f.read_text()) for f in sorted((args.out / "runs").glob("*/result.json"))]
+    gaps = study_gaps(results, args.label or label_of(args.out))
+    table = summarise(args, results)
     (args.out / "table.md").write_text(table + "\n")
-    figure(args.out / "gap_vs_pairs.png", studies)
+    (args.out / "gaps.json").write_text(dump_study(gaps))
+    figure(args.figure or args.out / "gap_vs_pairs.png", [gaps, *map(load_study, args.figure_with)])
     print(table)
 
 

