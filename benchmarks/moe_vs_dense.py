@@ -60,6 +60,7 @@ OPTIONS: dict[str, dict] = {
     "copies-free": {"experts": 8, "top_k": 2, "upcycling": {"balance_rate": 0.001}, "train": {"aux_loss_coef": 0.0}},
     "copies-reinit": {"experts": 8, "top_k": 2, "upcycling": {"reinit": 0.5}},
 }
+MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
 
 
 def given(**keys) -> dict:
@@ -252,7 +253,7 @@ def study_gaps(results: list[dict], label: str) -> dict:
                                          "no runs (runs/*/result.json)"))
     gaps = {o: {k: [round(g, 4) for g in paired_gaps(results, o, mean_of(key))]
                 for k, key in (("test", "scores"), ("dev", "suite"))}
-            for o in OPTIONS if o != "dense" and paired(results, o)}
+            for o in MOE_OPTIONS if paired(results, o)}
     return {"label": label, "pairs_seen": seen[0], "gaps": gaps}
 
 
@@ -261,6 +262,11 @@ def dump_study(study: dict) -> str:
     head = [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in study.items() if k != "gaps"]
     rows = [f"  {json.dumps(o)}: {json.dumps(g)}" for o, g in study["gaps"].items()]
     return "{\n" + "\n".join(head) + '\n "gaps": {\n' + ",\n".join(rows) + "\n }\n}\n"
+
+
+def read_runs(study: Path) -> list[dict]:
+    """The result.json of every run of a study directory."""
+    return [json.loads(f.read_text()) for f in sorted((study / "runs").glob("*/result.json"))]
 
 
 def label_of(study: Path) -> str:
@@ -273,8 +279,7 @@ def load_study(path: Path) -> dict:
     """A study for the figure: a study directory (its runs) or a gaps file, checked: a bad one is refused naming
     the file and the key."""
     if path.is_dir():
-        return study_gaps([json.loads(f.read_text()) for f in sorted((path / "runs").glob("*/result.json"))],
-                          label_of(path))
+        return study_gaps(read_runs(path), label_of(path))
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -292,8 +297,8 @@ def load_study(path: Path) -> dict:
     if not isinstance(doc.get("gaps"), dict) or not doc["gaps"]:
         bad("gaps", "an object of options, each {\"test\": [...], \"dev\": [...]}")
     for option, per in doc["gaps"].items():
-        if option not in OPTIONS or option == "dense":
-            bad(f"gaps.{option}", f"not an MoE option ({', '.join(o for o in OPTIONS if o != 'dense')})")
+        if option not in MOE_OPTIONS:
+            bad(f"gaps.{option}", f"not an MoE option ({', '.join(MOE_OPTIONS)})")
         if not isinstance(per, dict) or set(per) != {"test", "dev"}:
             bad(f"gaps.{option}", "an object with test and dev")
         for key, xs in per.items():
@@ -310,7 +315,7 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
 
     from moembed.figures import new_figure, save_png
 
-    options = [o for o in OPTIONS if o != "dense" and any(o in s["gaps"] for s in studies)]
+    options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
     markers = "osD^vPX*"
     fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
@@ -398,7 +403,7 @@ def main() -> None:
             for r in pool.map(run, [args] * len(jobs), *zip(*jobs)):
                 print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
                       f"train {r['train_seconds']} s", flush=True)
-    results = [json.loads(f.read_text()) for f in sorted((args.out / "runs").glob("*/result.json"))]
+    results = read_runs(args.out)
     gaps = study_gaps(results, args.label or label_of(args.out))
     table = summarise(args, results)
     (args.out / "table.md").write_text(table + "\n")
