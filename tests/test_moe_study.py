@@ -98,7 +98,7 @@ def test_each_kept_study_is_in_the_docs_tables(path):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 7
+    assert len(STUDIES) == 8
     out = tmp_path / "figure.png"
     monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out), "--figure-with", *map(str, STUDIES)])
     main()
