@@ -1,6 +1,6 @@
 """benchmarks/moe_vs_dense.py: every run paired with the dense control of its own seed, test sets grouped by
 language, the preset layered under the study's settings, and the gaps files the docs' figure is drawn from checked,
-round-tripped and in agreement with the tables of docs/moe.md."""
+round-tripped and in agreement with the tables of docs/moe.md and the figures the report's warning quotes."""
 
 from __future__ import annotations
 
@@ -95,6 +95,34 @@ def test_each_kept_study_is_in_the_docs_tables(path):
         for key, xs in gaps.items():
             spread = plain(f"[{min(xs):+.2f}, {max(xs):+.2f}]")
             assert spread in doc, f"{path.name}: {option} {key} {spread} not in docs/moe.md"
+
+
+# The study each recipe's report quotes for its default scale (`report_text.MEASURED_GAP`): fp32, the first machine.
+DEFAULT_STUDY = {"english": "1-english-3.5k-b32-avx2.json", "multilingual": "5-multilingual-b64-avx2.json"}
+
+
+@pytest.mark.parametrize("preset", sorted(DEFAULT_STUDY))
+def test_the_reports_measured_gaps_are_the_kept_studies_figures(preset):
+    """The report's warning types its figures by hand (the package does not ship benchmarks/results/): its default-
+    scale gaps are that study's mean [min, max] over seeds, and every signed figure of its larger-scale sentence is a
+    mean, min or max of one of the recipe's kept studies, at the precision written."""
+    from statistics import mean
+
+    from moembed.recipes.report_text import MEASURED_GAP
+
+    _, gaps, beyond = MEASURED_GAP[preset]
+    default = load_study(ROOT / "benchmarks" / "results" / "moe_vs_dense" / DEFAULT_STUDY[preset])
+    for name, (m, lo, hi, seeds) in gaps.items():
+        xs = default["gaps"]["groups" if name.startswith("virtual groups") else name.split()[0]]["test"]
+        assert (len(xs), f"{lo:+.2f}", f"{hi:+.2f}") == (seeds, f"{min(xs):+.2f}", f"{max(xs):+.2f}"), name
+        assert m == pytest.approx(mean(xs), abs=0.005 + 1e-9), name
+    figures = {s for path in STUDIES if path.name.split("-")[1] == preset
+               for g in load_study(path)["gaps"].values() for xs in g.values() for s in (mean(xs), min(xs), max(xs))}
+    quoted = re.findall(r"[+-]\d+\.\d+", beyond)
+    assert quoted  # the sentence quotes the larger scales' figures
+    for q in quoted:
+        places = len(q.split(".")[1])
+        assert any(abs(float(q) - f) <= 0.5 * 10 ** -places + 1e-9 for f in figures), f"{preset}: {q} in no study"
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
