@@ -316,7 +316,7 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     from moembed.figures import new_figure, save_png
 
     options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
-    markers = "osD^vPX*"
+    markers = "osD^vPX*hp<>"  # one per study, twelve before they repeat
     fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
