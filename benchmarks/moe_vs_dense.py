@@ -35,7 +35,10 @@ each paired with its own control.
 Options (OPTIONS): dense (the control), copies (today's upcycling: 8 copies, top-2), groups (virtual groups:
 G = 4 quarter-wide slices, 2 copies, top-4: the dense model's active parameters), groups-kmeans (the same with
 routers from k-means centroids), copies-top1 (8 copies top-1, gates not renormalised: Switch routing), copies-free
-(copies with auxiliary-loss-free balancing instead of the aux loss), copies-reinit (Drop-Upcycling r = 0.5).
+(copies with auxiliary-loss-free balancing instead of the aux loss), copies-reinit (Drop-Upcycling r = 0.5),
+groups-wide (virtual groups with 8 copies: 32 quarter-wide experts, top-4, the dense model's active parameters and
+copies' total), groups-router-lr (groups with the routers at 20 times the peak learning rate: 1e-3 at the recipes'
+5e-5, a rate for weights that start from nothing).
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ OPTIONS: dict[str, dict] = {
     "copies-top1": {"experts": 8, "top_k": 1, "upcycling": {"renormalize": False}},
     "copies-free": {"experts": 8, "top_k": 2, "upcycling": {"balance_rate": 0.001}, "train": {"aux_loss_coef": 0.0}},
     "copies-reinit": {"experts": 8, "top_k": 2, "upcycling": {"reinit": 0.5}},
+    "groups-wide": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4}},
+    "groups-router-lr": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4}, "train": {"router_lr_scale": 20.0}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
 

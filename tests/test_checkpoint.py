@@ -142,3 +142,38 @@ def test_stacked_expert_and_move_biases_are_not_decayed():
     assert {"embeddings.word.experts.b1", "embeddings.word.experts.b2"} <= no_decay
     assert {"embeddings.word.experts.w1", "embeddings.word.experts.w2", "embeddings.word.base.weight"} <= decay
     assert not {n for n in decay if n.endswith("bias")}
+
+
+def test_routers_train_at_their_own_learning_rate():
+    # router_lr_scale puts every MoE router (and no other weight) in a third group whose peak is lr · scale, on the
+    # same schedule; AdamW's first step moves each weight with a gradient by its group's lr (|m̂ / √v̂| = 1).
+    from moembed.model.config import MoEConfig
+    from moembed.model.encoder import Encoder
+    from moembed.model.presets import tiny_config
+
+    torch.manual_seed(0)
+    moe = Encoder(tiny_config(moe=MoEConfig(num_experts=4, top_k=2))).double()
+    assert len(build_optimizer(moe, OptimConfig(), 10)[0].param_groups) == 2  # scale 1: the layout without it
+    cfg = OptimConfig(lr=1e-3, router_lr_scale=20.0, weight_decay=0.0, schedule="linear", warmup_steps=4)
+    opt, sched = build_optimizer(moe, cfg, 10)
+    name = {id(p): n for n, p in moe.named_parameters()}
+    routers = {name[id(p)] for p in opt.param_groups[2]["params"]}
+    assert routers == {n for n in name.values() if n.endswith("mlp.router.weight")} and routers
+    assert not routers & {name[id(p)] for g in opt.param_groups[:2] for p in g["params"]}
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([2.5e-4, 2.5e-4, 5e-3])  # warmup 1 of 4
+
+    before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+    ids = torch.randint(5, 100, (4, 12))
+    hidden = moe(ids, torch.ones_like(ids)).last_hidden_state  # layer-normed: a fixed projection, not its norm
+    (hidden * torch.randn_like(hidden)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    opt.step()
+    sched.step()
+    for n, p in moe.named_parameters():
+        if n.endswith("router.weight") or n.endswith("experts.fc1_weight"):
+            moved = (p.detach() - before[n])[grads[n].abs() > 1e-6].abs()
+            assert moved.numel() > 0
+            torch.testing.assert_close(moved, torch.full_like(moved, 5e-3 if n in routers else 2.5e-4), rtol=1e-3, atol=0)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 5e-4, 1e-2])  # warmup 2 of 4
+    with pytest.raises(ValueError, match="router_lr_scale"):
+        OptimConfig(router_lr_scale=0)

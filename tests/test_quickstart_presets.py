@@ -206,6 +206,18 @@ def test_a_run_curated_before_the_pools_is_refused_with_the_file_to_remove(tmp_p
     assert train_config(ctx, "moe", "finetune").data[0].path.endswith("train/a.jsonl")
 
 
+def test_the_router_learning_rate_reaches_the_moe_in_both_stages_and_not_the_dense_control(tmp_path):
+    from moembed.recipes.training import train_config
+
+    (tmp_path / "recipe.yaml").write_text("train:\n  router_lr_scale: 20\n")
+    ctx = curated_context(tmp_path, load_quickstart_config(tmp_path / "recipe.yaml", "multilingual"))
+    (tmp_path / "stages" / "curate.json").write_text(json.dumps({"train_sources": {"a": 64},
+                                                                  "pretrain_sources": {"a": 80}}))
+    assert [train_config(ctx, kind, stage).optim.router_lr_scale for kind in ("moe", "dense")
+            for stage in ("pretrain", "finetune")] == [20.0, 20.0, 1.0, 1.0]
+    assert load_quickstart_config(None).train.router_lr_scale == 1.0  # the default: one rate for every weight
+
+
 def test_the_context_is_typed_and_frozen(tmp_path):
     import dataclasses
 

@@ -102,6 +102,9 @@ class QuickTrain(_Strict):
     temperature: float = Field(0.05, gt=0)
     matryoshka_dims: list[int] | None = None  # None: the base's width, 2/3 and 1/3 of it (384/256/128 for MiniLM)
     aux_loss_coef: float = Field(1.0, ge=0)
+    # The MoE's routers at this multiple of the peak lr, in both stages: the only weights an upcycled model does
+    # not inherit trained (moembed.train.optim.param_groups; docs/moe.md, "Upcycling options").
+    router_lr_scale: float = Field(1.0, gt=0)
     max_query_length: int = Field(32, ge=4)
     max_doc_length: int = Field(96, ge=4)
     bf16: bool | Literal["auto"] = "auto"  # auto: where bf16 matmuls are native (moembed.model.cpu.bf16_is_fast)

@@ -39,6 +39,7 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     decay_fraction: float = Field(0.2, gt=0, le=1)  # wsd: the last fraction of steps decays linearly
     min_lr_ratio: float = Field(0.0, ge=0, le=1)  # floor of linear/cosine/wsd decay, as a fraction of lr
+    router_lr_scale: float = Field(1.0, gt=0)  # the MoE routers' peak lr as a multiple of lr (optim.param_groups)
 
 
 class CheckpointConfig(_Strict):

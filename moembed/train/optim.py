@@ -55,19 +55,34 @@ def _decays(name: str, p: nn.Parameter) -> bool:
     return p.dim() >= 2 and "norm" not in name and not _NO_DECAY_LEAF.match(leaf)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def _is_router(name: str) -> bool:
+    """An MoE router's weight (`….router.weight`: the MoE block's and MoVE's)."""
+    return name == "router.weight" or name.endswith(".router.weight")
+
+
+def param_groups(model: nn.Module, weight_decay: float, router_lr: float | None = None) -> list[dict]:
     """Weight decay on weight matrices only; biases (dense or stacked per expert), norms and 1-d parameters are not
     decayed (`_decays`).
 
+    `router_lr`: the routers' weights in a third group of their own with that peak learning rate (decayed like any
+    matrix). An upcycled model's routers are the only weights that start from nothing, while every other weight
+    starts trained; at the finetuning rate of the rest they barely move in a short run. None: no third group, the
+    layout (and the checkpoints' optimizer state) of a model trained without it.
     Tied parameters (an MLM decoder sharing the word embeddings) appear once.
     """
-    decay, no_decay, seen = [], [], set()
+    decay, no_decay, routers, seen = [], [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if _decays(name, p) else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if router_lr is not None and _is_router(name):
+            routers.append(p)
+        else:
+            (decay if _decays(name, p) else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if router_lr is not None:
+        groups.append({"params": routers, "weight_decay": weight_decay, "lr": router_lr})
+    return groups
 
 
 def _fused_supported(groups: list[dict]) -> bool:
@@ -82,8 +97,10 @@ def _fused_supported(groups: list[dict]) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
-    """AdamW and a LambdaLR scheduler stepped once per optimizer step."""
-    groups = param_groups(model, cfg.weight_decay)
+    """AdamW and a LambdaLR scheduler stepped once per optimizer step (every group on the same schedule, each from
+    its own peak: `lr`, or `lr · router_lr_scale` for the routers)."""
+    router_lr = cfg.lr * cfg.router_lr_scale if cfg.router_lr_scale != 1.0 else None
+    groups = param_groups(model, cfg.weight_decay, router_lr)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused_supported(groups))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, total_steps, cfg))
     return opt, sched
