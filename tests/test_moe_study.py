@@ -126,7 +126,7 @@ def test_the_reports_measured_gaps_are_the_kept_studies_figures(preset):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 10
+    assert len(STUDIES) == 11
     out = tmp_path / "figure.png"
     monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out), "--figure-with", *map(str, STUDIES)])
     main()

@@ -37,7 +37,8 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "-0.49 over 3 seeds, and with the batches doubled (the same pairs seen) every option fell behind on every seed, "
        "-0.51 to -0.55 (dev suite -0.14 to -0.39); with four times the steps (the pools seen once) groups gave -0.50 "
        "(dev suite -0.19, 3 seeds), and with a four times larger pool (--size medium) at the default steps -0.50 "
-       "(dev suite +0.25, 3 seeds)"),
+       "(dev suite +0.25, 3 seeds); eight virtual groups (32 experts, top-4) at the default scale gave -0.72 (dev suite "
+       "-0.11, 3 seeds)"),
 }
 
 
