@@ -27,9 +27,9 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
         "copies (8 experts, top-2)": (-0.01, -0.06, 0.04, 2),
         "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.14, -0.28, 0.00, 2),
     }, "with 29k and 133k pairs (batch 256 and 1024) the gap stayed negative, -0.2 to -0.4 in-domain and -0.9 to "
-       "-2.4 on the dev suite: no crossover up to 128k pairs seen; at the default scale on an AMX Xeon in bf16, eight "
-       "virtual groups (32 experts, top-4) gave +0.04 (dev suite -0.29) and routers trained at 20 times the learning "
-       "rate -0.65 (dev suite -0.98), 3 seeds each"),
+       "-2.4 on the dev suite: no crossover up to 128k pairs seen; at the default scale on an AMX Xeon in bf16, copies "
+       "gave -0.04 (dev suite -0.47), eight virtual groups (32 experts, top-4) +0.04 (dev suite -0.29) and routers "
+       "trained at 20 times the learning rate -0.65 (dev suite -0.98), 3 seeds each"),
     "multilingual": ("--size small, 30 pretraining steps × batch 64, then 60 × 32", {
         "copies (8 experts, top-2)": (-0.00, -0.02, 0.01, 2),
         "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.08, -0.24, 0.07, 2),
