@@ -66,8 +66,8 @@ def param_groups(model: nn.Module, weight_decay: float, router_lr: float | None 
 
     `router_lr`: the routers' weights in a third group of their own with that peak learning rate (decayed like any
     matrix). An upcycled model's routers are the only weights that start from nothing, while every other weight
-    starts trained; at the finetuning rate of the rest they barely move in a short run. None: no third group, the
-    layout (and the checkpoints' optimizer state) of a model trained without it.
+    starts trained; at the finetuning rate of the rest they barely move in a short run. None (or a model without
+    routers): no third group, the layout (and the checkpoints' optimizer state) of a model trained without it.
     Tied parameters (an MLM decoder sharing the word embeddings) appear once.
     """
     decay, no_decay, routers, seen = [], [], [], set()
@@ -80,7 +80,7 @@ def param_groups(model: nn.Module, weight_decay: float, router_lr: float | None 
         else:
             (decay if _decays(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if router_lr is not None:
+    if routers:  # a model without routers keeps two groups whatever the scale
         groups.append({"params": routers, "weight_decay": weight_decay, "lr": router_lr})
     return groups
 
