@@ -38,7 +38,9 @@ routers from k-means centroids), copies-top1 (8 copies top-1, gates not renormal
 (copies with auxiliary-loss-free balancing instead of the aux loss), copies-reinit (Drop-Upcycling r = 0.5),
 groups-wide (virtual groups with 8 copies: 32 quarter-wide experts, top-4, the dense model's active parameters and
 copies' total), groups-router-lr (groups with the routers at 20 times the peak learning rate: 1e-3 at the recipes'
-5e-5, a rate for weights that start from nothing).
+5e-5, a rate for weights that start from nothing), groups-sources and groups-wide-sources (groups and groups-wide
+with routers that send each training source's tokens, in the multilingual recipe a language or language pair, to
+its own group from step 0).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ OPTIONS: dict[str, dict] = {
     "copies-reinit": {"experts": 8, "top_k": 2, "upcycling": {"reinit": 0.5}},
     "groups-wide": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4}},
     "groups-router-lr": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4}, "train": {"router_lr_scale": 20.0}},
+    "groups-sources": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
+    "groups-wide-sources": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
 
@@ -312,6 +316,14 @@ def load_study(path: Path) -> dict:
     return doc
 
 
+def study_order(path: Path) -> list:
+    """Sort key of a study's file or directory that reads the numbers in its name as numbers: the kept studies
+    1-english…, 2-english…, …, 10-english… in the order they are numbered, not the shell's 1, 10, 11, 2."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", Path(path).name)]
+
+
 def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study (marker, named
     in the legend below): the mean over seeds, bars from min to max. A mean below `floor` is drawn on the floor
@@ -321,7 +333,7 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     from moembed.figures import new_figure, save_png
 
     options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
-    markers = "osD^vPX*hp<>"  # one per study, twelve before they repeat
+    markers = "osD^vPX*hp<>dH8"  # one per study, fifteen before they repeat
     fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
@@ -382,6 +394,7 @@ def main() -> None:
                    help="where the figure goes (default OUT/gap_vs_pairs.png); without --out, only the figure")
     p.add_argument("--label", default=None, help="the study's name in the figure's legend (default: OUT's name)")
     args = p.parse_args()
+    args.figure_with = sorted(args.figure_with, key=study_order)  # the legend in the studies' numbering
     if args.out is None:
         if args.figure is None or not args.figure_with:
             p.error("--out is required, unless --figure draws the studies of --figure-with alone")

@@ -49,6 +49,7 @@ from moembed.inputs import (  # noqa: F401 - re-exported: most commands import t
     open_input,
     parse_json_line,
     read_error,
+    read_labelled_texts,
     read_text_lines,
     read_texts,
     read_yaml,
@@ -58,7 +59,7 @@ from moembed.inputs import (  # noqa: F401 - re-exported: most commands import t
 
 __all__ = ["atomic_dir", "atomic_path", "make_parent", "move_into_place", "recover_dir", "remove_dir", "write_jsonl",
            "iter_jsonl", "json_kind", "json_surrogate", "open_input", "parse_json_line", "read_error",
-           "read_text_lines", "read_texts", "read_yaml", "surrogate_at", "unicode_problem"]
+           "read_labelled_texts", "read_text_lines", "read_texts", "read_yaml", "surrogate_at", "unicode_problem"]
 
 log = logging.getLogger("moembed")
 

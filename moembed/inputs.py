@@ -144,6 +144,18 @@ def read_texts(path: str | os.PathLike, plain: bool = False) -> list[str]:
     return texts
 
 
+def read_labelled_texts(path: str | os.PathLike, key: str, flag: str) -> tuple[list[str], list[str]]:
+    """Texts and their labels from one JSON object per line, {"text": ..., key: ...} (the labels as strings);
+    `flag` names the option that asked for `key` in the error."""
+    texts, labels = [], []
+    for i, r in iter_jsonl(path):
+        if not isinstance(r, dict) or not isinstance(r.get("text"), str) or key not in r:
+            raise MoembedError(f'{path}:{i}: {flag} {key}: expected an object with a string "text" and a "{key}"')
+        texts.append(r["text"])
+        labels.append(str(r[key]))
+    return texts, labels
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
     """Parse a YAML file (empty → {}); errors name the file and, when known, the line."""
     import yaml

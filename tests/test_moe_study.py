@@ -125,8 +125,21 @@ def test_the_reports_measured_gaps_are_the_kept_studies_figures(preset):
         assert any(abs(float(q) - f) <= 0.5 * 10 ** -places + 1e-9 for f in figures), f"{preset}: {q} in no study"
 
 
+def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
+    import moe_vs_dense
+
+    drawn = []
+    monkeypatch.setattr(moe_vs_dense, "figure", lambda path, studies: drawn.extend(s["label"] for s in studies))
+    shell_order = sorted(map(str, STUDIES))  # as a shell's glob gives them: 1, 10, 11, ..., 2, ...
+    monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(tmp_path / "f.png"), "--figure-with",
+                                      *shell_order])
+    main()
+    numbered = sorted(STUDIES, key=lambda p: int(p.name.split("-")[0]))
+    assert drawn == [load_study(p)["label"] for p in numbered] != [load_study(Path(p))["label"] for p in shell_order]
+
+
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 11
+    assert len(STUDIES) == 13
     out = tmp_path / "figure.png"
     monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out), "--figure-with", *map(str, STUDIES)])
     main()

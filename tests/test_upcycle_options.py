@@ -174,11 +174,86 @@ def test_kmeans_router_rows_are_centroids_shared_by_a_group(make_tiny):
     # rows scaled so that the sampled tokens' logits have unit spread across the rows
     from moembed.model.convert.router_init import mlp_inputs
 
-    x = mlp_inputs(dense, [0], texts)[0]
+    x = mlp_inputs(dense, [0], texts)[0][0]
     logits = x @ router[::4].detach().T  # (N, 2)
     assert (logits - logits.mean(1, keepdim=True)).std().item() == pytest.approx(1.0, rel=1e-3)
     torch.testing.assert_close(torch.as_tensor(moe.encode(texts[:6])), torch.as_tensor(dense.encode(texts[:6])),
                                atol=2e-6, rtol=0)  # still the dense function
+
+
+def digit_texts(n: int) -> list[str]:
+    """Lines of digits: a second source whose tokens differ from English prose."""
+    return [" ".join(str((7 * i + 3 * j) % 97) for j in range(4 + i % 9)) for i in range(n)]
+
+
+def test_probe_is_the_regularised_logistic_regression():
+    from moembed.model.convert.router_init import probe
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.arange(300) % 3
+    x = torch.randn(300, 8, generator=gen) + 2.0 * torch.eye(3, 8)[y]  # (N, d): three clusters
+    w = probe(x, y, torch.zeros(3, 8))
+    w_req = w.clone().requires_grad_(True)
+    objective = torch.nn.functional.cross_entropy(x @ w_req.T, y) + 1e-4 * w_req.pow(2).sum()
+    (grad,) = torch.autograd.grad(objective, w_req)
+    assert grad.abs().max() < 1e-4  # a stationary point of the convex objective: its minimum
+    torch.testing.assert_close(w.sum(0), torch.zeros(8), atol=1e-5, rtol=0)  # centred over the rows
+    torch.testing.assert_close(probe(x, y, torch.randn(3, 8, generator=gen)), w, atol=1e-3, rtol=1e-3)  # unique
+    assert ((x @ w.T).argmax(1) == y).float().mean() > 0.8
+
+
+def test_source_router_rows_route_each_source_to_its_own_group(make_tiny):
+    from moembed.model.convert.router_init import mlp_inputs
+
+    dense = make_tiny(num_layers=2)
+    texts = [t for pair in zip(real_texts(40), digit_texts(40)) for t in pair]  # interleaved
+    sources = ["prose", "digits"] * 40
+    moe = upcycle(dense, 8, 4, every=1, offset=0, granularity=4, router_init="sources", kmeans_texts=texts,
+                  text_sources=sources)
+    states, owner = mlp_inputs(dense, [0, 1], texts)
+    ids, _ = dense.token_ids(texts)
+    assert torch.bincount(owner).tolist() == [len(x) for x in ids]  # every token owned by its own text
+    digits = torch.tensor([s == "digits" for s in sources])[owner].long()  # (N,) per token
+    for layer in (0, 1):
+        router = moe.encoder.layers[layer].mlp.router.weight.detach()
+        assert torch.equal(router[0], router[3]) and torch.equal(router[4], router[7])  # a group's rows tie
+        x, r = states[layer].clone(), router[::4]  # one row per group (x out of inference mode)
+        logits = x @ r.T  # (N, 2)
+        assert (logits - logits.mean(1, keepdim=True)).std().item() == pytest.approx(1.0, rel=1e-3)
+        if ((logits.argmax(1) == digits).float().mean() < 0.5):  # two sources, two groups, in k-means' order
+            digits = 1 - digits
+        # by hand: r is the minimiser of cross-entropy(x W^T, group) + 1e-4 ‖W‖², up to the scale s that gives unit
+        # spread; find s along r (the objective is convex in s), then the whole gradient at s·r must vanish
+        def gradient(scale):
+            w = (scale * r).requires_grad_(True)
+            objective = torch.nn.functional.cross_entropy(x @ w.T, digits) + 1e-4 * w.pow(2).sum()
+            return torch.autograd.grad(objective, w)[0]
+
+        lo, hi = 1e-3, 1e3
+        for _ in range(100):  # bisection (in log scale) on the directional derivative
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if float((gradient(mid) * r).sum()) < 0 else (lo, mid)
+        assert gradient(lo).abs().max() < 1e-3 * r.abs().max() * lo
+        assert torch.allclose(r.sum(0), torch.zeros_like(r[0]), atol=1e-5)  # centred over the rows
+    random_init = upcycle(dense, 8, 4, every=1, offset=0, granularity=4, seed=0)
+    by_source = [r.mi_ratio for r in diagnose(moe, texts, sources)]
+    by_chance = [r.mi_ratio for r in diagnose(random_init, texts, sources)]
+    assert min(by_source) > 10 * max(by_chance), (by_source, by_chance)  # routing starts by source
+    torch.testing.assert_close(torch.as_tensor(moe.encode(texts[:6])), torch.as_tensor(dense.encode(texts[:6])),
+                               atol=2e-6, rtol=0)  # still the dense function
+
+
+def test_source_router_init_is_checked(make_tiny):
+    dense = make_tiny(num_layers=2)
+    texts = real_texts(20)
+    with pytest.raises(MoembedError, match="text_sources"):
+        upcycle(dense, 8, 4, every=1, offset=0, granularity=4, router_init="sources", kmeans_texts=texts)
+    with pytest.raises(MoembedError, match="19 sources for 20 texts"):
+        upcycle(dense, 8, 4, every=1, offset=0, granularity=4, router_init="sources", kmeans_texts=texts,
+                text_sources=["a"] * 19)
+    with pytest.raises(MoembedError, match=r"tokens of 1 sources \(a\) for 2 router rows"):
+        upcycle(dense, 8, 4, every=1, offset=0, granularity=4, router_init="sources", kmeans_texts=texts,
+                text_sources=["a"] * 20)
 
 
 def test_upcycle_options_are_checked(make_tiny):
@@ -306,3 +381,66 @@ def test_report_warning_quotes_the_measured_gap_of_its_preset(preset):
         assert f"{name}: {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] over {seeds} seed" in warning
     other = MEASURED_GAP["multilingual" if preset == "english" else "english"][0]
     assert other not in warning  # the other recipe's scale is not quoted
+
+
+def test_cli_upcycle_routers_by_source_from_labelled_texts(tmp_path, tiny_dir):
+    from typer.testing import CliRunner
+
+    from moembed.cli.main import app
+    from moembed.model.embedder import Embedder
+
+    runner = CliRunner()
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": t, "lang": lang}) + "\n"
+                             for pair in zip(real_texts(20), digit_texts(20)) for t, lang in zip(pair, ("en", "xx"))))
+    args = ["upcycle", str(tiny_dir), "--experts", "8", "--top-k", "4", "--granularity", "4", "--every", "1",
+            "--offset", "0", "--router-init", "sources", "--kmeans-texts", str(texts)]
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "moe"), "--label", "lang"])
+    assert res.exit_code == 0, res.output
+    assert "| `texts.jsonl` | 40 | 2 |" in (tmp_path / "moe" / "README.md").read_text()  # file, records, sources
+    moe = Embedder.load(tmp_path / "moe")
+    lines = [json.loads(x) for x in texts.read_text().splitlines()]
+    by_source = diagnose(moe, [r["text"] for r in lines], [r["lang"] for r in lines])
+    chance = upcycle(Embedder.load(tiny_dir), 8, 4, every=1, offset=0, granularity=4)
+    by_chance = diagnose(chance, [r["text"] for r in lines], [r["lang"] for r in lines])
+    assert min(r.mi_ratio for r in by_source) > 10 * max(r.mi_ratio for r in by_chance)
+    # without --label the sources are unknown; a line without the key is named
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "bad")])
+    assert isinstance(res.exception, MoembedError) and "--label" in str(res.exception)
+    texts.write_text(json.dumps({"text": "no language"}) + "\n")
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "bad"), "--label", "lang"])
+    assert isinstance(res.exception, MoembedError) and f"{texts}:1" in str(res.exception)
+    assert not (tmp_path / "bad").exists()
+    res = runner.invoke(app, ["upcycle", str(tiny_dir), "--out", str(tmp_path / "bad"), "--label", "lang"])
+    assert isinstance(res.exception, MoembedError) and "--kmeans-texts" in str(res.exception)
+
+
+def test_quickstart_routers_by_source_reach_the_model(tmp_path, tiny_dir):
+    from moembed.model.embedder import Embedder
+    from moembed.recipes import training
+    from moembed.recipes.config import load_quickstart_config
+    from moembed.recipes.quickstart import Quickstart
+    from moembed.recipes.report_text import upcycling
+
+    (tmp_path / "qs.yaml").write_text("experts: 8\ntop_k: 4\nupcycling: {granularity: 4, router_init: sources, "
+                                      "kmeans_texts: 60}\n")
+    cfg = load_quickstart_config(tmp_path / "qs.yaml")
+    out = tmp_path / "out"
+    (out / "train").mkdir(parents=True)
+    (out / "stages").mkdir()
+    for name, lines in (("prose", real_texts(30)), ("digits", digit_texts(30))):
+        (out / "train" / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"query": q, "document": d}) + "\n" for q, d in zip(lines[::2], lines[1::2])))
+    (out / "stages" / "curate.json").write_text(json.dumps({"train_sources": ["prose", "digits"]}))
+    qs = Quickstart(cfg.model_copy(update={"base": str(tiny_dir), "device": "cpu"}), out, progress=False)
+    sample = training.kmeans_texts(qs.ctx, 60)
+    assert len(sample) == 60 and {s for _, s in sample} == {"prose", "digits"}
+    assert all(t.split(": ", 1)[1] in digit_texts(30) for t, s in sample if s == "digits")  # each text's own source
+    training.upcycle(qs.ctx)
+    moe = Embedder.load(out / "models" / "moe-init")
+    by_source = diagnose(moe, [t for t, _ in sample], [s for _, s in sample])
+    chance = upcycle(Embedder.load(out / "models" / "dense-init"), 8, 4, every=2, granularity=4)  # the recipe's layers
+    by_chance = diagnose(chance, [t for t, _ in sample], [s for _, s in sample])
+    assert min(r.mi_ratio for r in by_source) > 10 * max(r.mi_ratio for r in by_chance)  # routing starts by source
+    assert "routers that send each training source's tokens to its own group of experts (from 60 training texts)" \
+        in upcycling(cfg)

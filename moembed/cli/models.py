@@ -71,31 +71,17 @@ def info(
         _probe(emb, probe, plain, label)
 
 
-def _labelled_texts(path: Path, key: str) -> tuple[list[str], list[str]]:
-    """Texts and labels of a JSONL file of objects {"text": ..., key: ...}."""
-    from moembed.errors import MoembedError
-    from moembed.fileio import iter_jsonl
-
-    texts, labels = [], []
-    for i, r in iter_jsonl(path):
-        if not isinstance(r, dict) or not isinstance(r.get("text"), str) or key not in r:
-            raise MoembedError(f'{path}:{i}: --label {key}: expected an object with a string "text" and a "{key}"')
-        texts.append(r["text"])
-        labels.append(str(r[key]))
-    return texts, labels
-
-
 def _probe(emb, path: Path, plain: bool, label: str | None = None) -> None:
     """Per-layer expert load and router entropy over the texts of a file; expert divergence, and with `label` the
     mutual information between expert and label (moembed.model.diagnostics)."""
     from moembed.errors import MoembedError
-    from moembed.fileio import read_texts
+    from moembed.fileio import read_labelled_texts, read_texts
     from moembed.model.diagnostics import diagnose, format_diagnostics
     from moembed.model.utilisation import format_report
 
     if emb.config.moe is None:
         raise MoembedError(f"--probe: {emb.name} has no MoE layers")
-    texts, labels = _labelled_texts(path, label) if label else (read_texts(path, plain=plain), None)
+    texts, labels = read_labelled_texts(path, label, "--label") if label else (read_texts(path, plain=plain), None)
     if not texts:
         raise MoembedError(f"{path}: no texts")
     rows = diagnose(emb, texts, labels)

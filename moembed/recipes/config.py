@@ -164,8 +164,10 @@ class Upcycling(_Strict):
     renormalize: bool = True  # off: the softmax probabilities of the chosen experts as gates (nomic-embed-v2 layout)
     noise: float = Field(0.0, ge=0)  # Gaussian noise on the experts, std relative to the weight's own
     reinit: float = Field(0.0, ge=0, le=1)  # Drop-Upcycling: ratio of each expert's hidden units re-drawn
-    router_init: Literal["random", "kmeans"] = "random"  # kmeans: centroids of the layer's input token states
-    kmeans_texts: int = Field(2000, ge=1)  # training texts (queries and documents) sampled for the k-means
+    # kmeans: centroids of the layer's input token states; sources: rows that route each training source's tokens
+    # (in the multilingual recipe a language or language pair) to its own group of experts
+    router_init: Literal["random", "kmeans", "sources"] = "random"
+    kmeans_texts: int = Field(2000, ge=1)  # training texts (queries and documents) sampled for either
     balance_rate: float = Field(0.0, ge=0)  # auxiliary-loss-free balancing's bias step (0: off)
 
 

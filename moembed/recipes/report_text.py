@@ -29,7 +29,8 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
     }, "with 29k and 133k pairs (batch 256 and 1024) the gap stayed negative, -0.2 to -0.4 in-domain and -0.9 to "
        "-2.4 on the dev suite: no crossover up to 128k pairs seen; at the default scale on an AMX Xeon in bf16, copies "
        "gave -0.04 (dev suite -0.47), eight virtual groups (32 experts, top-4) +0.04 (dev suite -0.29) and routers "
-       "trained at 20 times the learning rate -0.65 (dev suite -0.98), 3 seeds each"),
+       "trained at 20 times the learning rate -0.65 (dev suite -0.98), two groups whose routers start by source "
+       "(upcycling.router_init: sources) -0.17 (dev suite -0.44), 3 seeds each"),
     "multilingual": ("--size small, 30 pretraining steps × batch 64, then 60 × 32", {
         "copies (8 experts, top-2)": (-0.00, -0.02, 0.01, 2),
         "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.08, -0.24, 0.07, 2),
@@ -38,7 +39,8 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "-0.51 to -0.55 (dev suite -0.14 to -0.39); with four times the steps (the pools seen once) groups gave -0.50 "
        "(dev suite -0.19, 3 seeds), and with a four times larger pool (--size medium) at the default steps -0.50 "
        "(dev suite +0.25, 3 seeds); eight virtual groups (32 experts, top-4) at the default scale gave -0.72 (dev suite "
-       "-0.11, 3 seeds)"),
+       "-0.11, 3 seeds), and two groups whose routers start by language (upcycling.router_init: sources) -0.17 (dev "
+       "suite +0.39, 3 seeds), still behind on every seed"),
 }
 
 
@@ -199,6 +201,9 @@ def upcycling(c) -> str:
     parts.append("renormalised gates" if u.renormalize else "softmax gates, not renormalised")
     if u.router_init == "kmeans":
         parts.append(f"routers from k-means centroids over {u.kmeans_texts} training texts")
+    if u.router_init == "sources":
+        parts.append(f"routers that send each training source's tokens to its own group of experts (from "
+                     f"{u.kmeans_texts} training texts)")
     if u.reinit:
         parts.append(f"{u.reinit:g} of each expert's hidden units re-drawn (Drop-Upcycling)")
     if u.noise:

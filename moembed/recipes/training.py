@@ -91,12 +91,13 @@ def upcycle(ctx: RecipeContext) -> dict:
     for layer in dense.encoder.layers:
         layer.attention_dropout = 0.0
     c, u = ctx.cfg, ctx.cfg.upcycling
-    texts = kmeans_texts(ctx, u.kmeans_texts) if u.router_init == "kmeans" else None
+    texts, sources = zip(*kmeans_texts(ctx, u.kmeans_texts)) if u.router_init != "random" else (None, None)
     # int8 ranges of both starting models from a sample of the training pool; noiseless upcycling keeps them exactly
     queries, documents = training_sample(train_config(ctx, "dense").data, c.seed)
     dense.calibrate(queries + documents)  # each text with its prefix, as trained
     moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed, renormalize=u.renormalize, noise=u.noise,
-                 granularity=u.granularity, reinit=u.reinit, router_init=u.router_init, kmeans_texts=texts,
+                 granularity=u.granularity, reinit=u.reinit, router_init=u.router_init,
+                 kmeans_texts=texts and list(texts), text_sources=sources and list(sources),
                  balance_rate=u.balance_rate)
     moe.name = f"{ctx.base_name}-moe"
     moe.save(ctx.out / "models" / "moe-init")
@@ -105,9 +106,10 @@ def upcycle(ctx: RecipeContext) -> dict:
     return {"moe_layers": [i + 1 for i in moe.config.moe_layers()], "width": dense.dim}
 
 
-def kmeans_texts(ctx: RecipeContext, n: int) -> list[str]:
-    """Up to n training texts for the routers' k-means (`upcycling.router_init: kmeans`): the curated pairs'
-    queries and documents with their task prefixes, a random sample (seeded) over all training sources."""
+def kmeans_texts(ctx: RecipeContext, n: int) -> list[tuple[str, str]]:
+    """Up to n (text, source) for the routers' initialisation (`upcycling.router_init: kmeans` or `sources`): the
+    curated pairs' queries and documents with their task prefixes, a random sample (seeded) over all training
+    sources."""
     import random
 
     from moembed.fileio import iter_jsonl
@@ -115,7 +117,7 @@ def kmeans_texts(ctx: RecipeContext, n: int) -> list[str]:
     texts = []
     for s in ctx.stage_result("curate")["train_sources"]:
         for _, r in iter_jsonl(ctx.out / "train" / f"{s}.jsonl"):
-            texts += [PROMPTS["search_query"] + r["query"], PROMPTS["search_document"] + r["document"]]
+            texts += [(PROMPTS["search_query"] + r["query"], s), (PROMPTS["search_document"] + r["document"], s)]
     random.Random(ctx.cfg.seed).shuffle(texts)
     return texts[:n]
 

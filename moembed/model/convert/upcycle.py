@@ -18,8 +18,10 @@ The MLP of each chosen layer becomes an MoE block; every other weight is copied 
 Options, each a control or a remedy for the symmetry above: `noise` (Gaussian noise on the copies), `reinit`
 (Drop-Upcycling, Nakamura et al. 2025, arXiv 2502.19261: a ratio r of each expert's hidden units re-drawn from
 the dense weight's mean and std), `router_init="kmeans"` (router rows from k-means centroids of the layer's
-input token states, `router_init.kmeans_rows`), `renormalize=False` (the released nomic-embed-v2 gates),
-`top_k=1` (Switch routing, nomic-embed-v2 §7.1), `balance_rate` (auxiliary-loss-free balancing, `MoEConfig`).
+input token states, `router_init.kmeans_rows`), `router_init="sources"` (rows that send each source's or
+language's tokens to its own group of experts from step 0, `router_init.source_rows`), `renormalize=False` (the
+released nomic-embed-v2 gates), `top_k=1` (Switch routing, nomic-embed-v2 §7.1), `balance_rate` (auxiliary-loss-free
+balancing, `MoEConfig`).
 
     >>> moe = upcycle(Embedder.load("all-MiniLM-L6-v2"), num_experts=8, top_k=2, every=2)   # layers 2, 4, 6
     >>> fine = upcycle(dense, num_experts=8, top_k=4, every=2, granularity=4)  # 2 groups of 4 quarter-wide experts
@@ -36,7 +38,7 @@ from moembed.model.config import MoEConfig
 from moembed.model.embedder import Embedder
 from moembed.model.encoder import Encoder
 
-RouterInit = Literal["random", "kmeans"]
+RouterInit = Literal["random", "kmeans", "sources"]
 
 
 def _slice_rows(w: torch.Tensor, g: int, G: int, swiglu: bool) -> torch.Tensor:
@@ -108,6 +110,7 @@ def upcycle(
     reinit: float = 0.0,
     router_init: RouterInit = "random",
     kmeans_texts: list[str] | None = None,
+    text_sources: list[str] | None = None,
     balance_rate: float = 0.0,
 ) -> Embedder:
     """A new Embedder whose MLPs on layers i with i % every == offset (0-based) are MoE blocks upcycled from
@@ -116,8 +119,10 @@ def upcycle(
     num_experts, top_k, renormalize, balance_rate: routing (see `MoEConfig`); granularity G: virtual groups of G
     experts of width I/G (num_experts, top_k and I divisible by G; 1: whole copies); noise: std of Gaussian noise
     added to each expert, relative to the std of the dense weight (0: none); reinit: ratio of each expert's hidden
-    units re-drawn (Drop-Upcycling; 0: none); router_init: "random" (N(0, 0.02)) or "kmeans" (centroids of the
-    layer's input token states over `kmeans_texts`); seed: router init, noise and re-initialisation.
+    units re-drawn (Drop-Upcycling; 0: none); router_init: "random" (N(0, 0.02)), "kmeans" (centroids of the
+    layer's input token states over `kmeans_texts`) or "sources" (rows that route by `text_sources`, the source
+    or language of each of `kmeans_texts`; `router_init.source_rows`); seed: router init, noise and
+    re-initialisation.
     Raises MoembedError on invalid settings or an encoder that already has MoE layers.
     """
     from pydantic import ValidationError
@@ -133,10 +138,13 @@ def upcycle(
     if G < 1 or num_experts % G or top_k % G or src.intermediate_size % G:
         raise MoembedError(f"upcycle: granularity {G} must divide num_experts ({num_experts}), top_k ({top_k}) and "
                            f"the MLP's hidden size ({src.intermediate_size})")
-    if router_init not in ("random", "kmeans"):
-        raise MoembedError(f"upcycle: router_init {router_init!r}; choose random or kmeans")
-    if router_init == "kmeans" and not kmeans_texts:
-        raise MoembedError("upcycle: router_init 'kmeans' needs texts (kmeans_texts) to cluster the token states of")
+    if router_init not in ("random", "kmeans", "sources"):
+        raise MoembedError(f"upcycle: router_init {router_init!r}; choose random, kmeans or sources")
+    if router_init != "random" and not kmeans_texts:
+        raise MoembedError(f"upcycle: router_init {router_init!r} needs texts (kmeans_texts) to cluster the token "
+                           "states of")
+    if router_init == "sources" and text_sources is None:
+        raise MoembedError("upcycle: router_init 'sources' needs the source of each text (text_sources)")
     try:
         moe = MoEConfig(num_experts=num_experts, top_k=top_k, every=every, offset=offset, renormalize=renormalize,
                         expert_size=src.intermediate_size // G if G > 1 else None, balance_rate=balance_rate)
@@ -153,11 +161,15 @@ def upcycle(
         from moembed.model.convert.router_init import kmeans_rows
 
         routers = kmeans_rows(embedder, config.moe_layers(), rows, kmeans_texts, seed)  # layer → (R, d)
+    elif router_init == "sources":
+        from moembed.model.convert.router_init import source_rows
+
+        routers = source_rows(embedder, config.moe_layers(), rows, kmeans_texts, text_sources, seed)
     encoder = Encoder.for_weights(config)  # every weight is set below: routers drawn, the rest copied
     with torch.no_grad():
         for i, layer in enumerate(encoder.layers):  # router rows, seeded; a virtual group's G rows are equal
             if hasattr(layer.mlp, "router"):
-                w = routers[i] if router_init == "kmeans" else torch.randn(rows, src.hidden_size, generator=gen) * 0.02
+                w = routers[i] if router_init != "random" else torch.randn(rows, src.hidden_size, generator=gen) * 0.02
                 layer.mlp.router.weight.copy_(w.repeat_interleave(G, dim=0))
     state = encoder.state_dict()
     mlps: dict[str, dict[str, torch.Tensor]] = {}
