@@ -45,7 +45,6 @@ def upcycle(
     from moembed.model.convert.upcycle import upcycle as do_upcycle
     from moembed.model.embedder import Embedder
 
-    dense = Embedder.load(model)
     if label is not None and kmeans_texts is None:
         raise MoembedError("--label: names the source key of --kmeans-texts; give --kmeans-texts too")
     if router_init == "sources" and label is None:
@@ -55,6 +54,7 @@ def upcycle(
     if kmeans_texts is not None:
         texts, sources = (read_labelled_texts(kmeans_texts, label, "--label") if label
                           else (read_texts(kmeans_texts), None))
+    dense = Embedder.load(model)  # after the arguments and files are known to be good
     moe = do_upcycle(dense, experts, top_k, every, offset=offset, renormalize=renormalize, noise=noise, seed=seed,
                      granularity=granularity, reinit=reinit, router_init=router_init, kmeans_texts=texts,
                      text_sources=sources, balance_rate=balance_rate)

@@ -91,13 +91,13 @@ def upcycle(ctx: RecipeContext) -> dict:
     for layer in dense.encoder.layers:
         layer.attention_dropout = 0.0
     c, u = ctx.cfg, ctx.cfg.upcycling
-    texts, sources = zip(*kmeans_texts(ctx, u.kmeans_texts)) if u.router_init != "random" else (None, None)
+    sample = kmeans_texts(ctx, u.kmeans_texts) if u.router_init != "random" else []  # [(text, source)]
     # int8 ranges of both starting models from a sample of the training pool; noiseless upcycling keeps them exactly
     queries, documents = training_sample(train_config(ctx, "dense").data, c.seed)
     dense.calibrate(queries + documents)  # each text with its prefix, as trained
     moe = to_moe(dense, c.experts, c.top_k, c.every, seed=c.seed, renormalize=u.renormalize, noise=u.noise,
                  granularity=u.granularity, reinit=u.reinit, router_init=u.router_init,
-                 kmeans_texts=texts and list(texts), text_sources=sources and list(sources),
+                 kmeans_texts=[t for t, _ in sample] or None, text_sources=[s for _, s in sample] or None,
                  balance_rate=u.balance_rate)
     moe.name = f"{ctx.base_name}-moe"
     moe.save(ctx.out / "models" / "moe-init")

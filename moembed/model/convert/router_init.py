@@ -96,7 +96,8 @@ def source_rows(embedder, layers: list[int], k: int, texts: list[str], sources: 
     if len(sources) != len(texts):
         raise MoembedError(f"router_init sources: {len(sources)} sources for {len(texts)} texts; give one per text")
     names = sorted(set(sources))
-    code = torch.tensor([names.index(s) for s in sources])  # (n,)
+    index = {name: j for j, name in enumerate(names)}
+    code = torch.tensor([index[s] for s in sources])  # (n,)
     states, owner = mlp_inputs(embedder, layers, texts)
     seen, src = torch.unique(code[owner], return_inverse=True)  # sources with tokens in the sample; (N,) into seen
     if len(seen) < k:
