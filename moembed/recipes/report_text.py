@@ -40,7 +40,8 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "(dev suite -0.19, 3 seeds), and with a four times larger pool (--size medium) at the default steps -0.50 "
        "(dev suite +0.25, 3 seeds); eight virtual groups (32 experts, top-4) at the default scale gave -0.72 (dev suite "
        "-0.11, 3 seeds), and two groups whose routers start by language (upcycling.router_init: sources) -0.17 (dev "
-       "suite +0.39, 3 seeds), still behind on every seed"),
+       "suite +0.39, 3 seeds; with the four times larger pool -0.28, dev suite +0.15), still behind on every "
+       "seed"),
 }
 
 
