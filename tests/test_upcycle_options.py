@@ -243,6 +243,21 @@ def test_source_router_rows_route_each_source_to_its_own_group(make_tiny):
                                atol=2e-6, rtol=0)  # still the dense function
 
 
+def test_copies_with_source_routers_route_by_source(make_tiny):
+    """`copies-sources` in the study: granularity 1, so each source group is one expert; the copies keep the dense
+    function whatever the routing (and give InfoNCE no router gradient: the test with minilm above), so routing
+    starts by source and the experts part by source."""
+    dense = make_tiny(num_layers=2)
+    texts = [t for pair in zip(real_texts(40), digit_texts(40)) for t in pair]
+    sources = ["prose", "digits"] * 40
+    moe = upcycle(dense, 2, 1, every=1, offset=0, router_init="sources", kmeans_texts=texts, text_sources=sources)
+    random_init = upcycle(dense, 2, 1, every=1, offset=0, seed=0)
+    by_source = [r.mi_ratio for r in diagnose(moe, texts, sources)]
+    by_chance = [r.mi_ratio for r in diagnose(random_init, texts, sources)]
+    assert min(by_source) > 10 * max(by_chance), (by_source, by_chance)  # routing starts by source
+    torch.testing.assert_close(torch.as_tensor(moe.encode(texts[:6])), torch.as_tensor(dense.encode(texts[:6])),
+                               atol=2e-6, rtol=0)
+
 def test_source_router_init_is_checked(make_tiny):
     dense = make_tiny(num_layers=2)
     texts = real_texts(20)
