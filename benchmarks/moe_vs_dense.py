@@ -335,7 +335,9 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     from moembed.figures import new_figure, save_png
 
     options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
-    markers = "osD^vPX*hp<>dH8"  # one per study, fifteen before they repeat
+    markers = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45)]  # one per study, sixteen before they repeat (the last two:
+    # six- and four-pointed stars, where "8" and "H" would pass for "o" and "h")
+    colours = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]  # one per option
     fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
@@ -345,11 +347,12 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
                 if not gaps:
                     continue
                 x = study["pairs_seen"] * (1 + 0.04 * i + 0.03 * k)  # side by side
-                mean, style = statistics.fmean(gaps), {"fmt": markers[k % len(markers)], "color": f"C{i}"}
+                mean, style = statistics.fmean(gaps), {"marker": markers[k % len(markers)], "ls": "none",
+                                                     "color": colours[i % len(colours)]}
                 if mean < floor:
                     ax.errorbar([x], [floor], **style)
                     ax.annotate(f"{mean:+.1f} (off scale)", (x, floor), xytext=(5, -3), textcoords="offset points",
-                                fontsize=7, color=f"C{i}")
+                                fontsize=7, color=colours[i % len(colours)])
                 else:
                     ax.errorbar([x], [mean], yerr=[[mean - max(min(gaps), floor)], [max(gaps) - mean]], capsize=3,
                                 **style)
@@ -359,7 +362,7 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
         ax.set_xlabel("training pairs seen (steps × batch)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MoE − dense, mean nDCG@10 ×100")
-    axes[0].legend([Line2D([], [], color=f"C{i}", marker="o", ls="") for i in range(len(options))], options,
+    axes[0].legend([Line2D([], [], color=colours[i % len(colours)], marker="o", ls="") for i in range(len(options))], options,
                    fontsize=8, title="option", title_fontsize=8)
     fig.legend([Line2D([], [], color="grey", marker=markers[k % len(markers)], ls="") for k in range(len(studies))],
                [s["label"] for s in studies], loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.0),
