@@ -41,7 +41,7 @@ copies' total), groups-router-lr (groups with the routers at 20 times the peak l
 5e-5, a rate for weights that start from nothing), groups-sources and groups-wide-sources (groups and groups-wide
 with routers that send each training source's tokens, in the multilingual recipe a language or language pair, to
 its own group from step 0), copies-sources (the default copies with such routers: the task gives the router no
-gradient, only the load-balancing loss moves it, so the experts part by source from the same start).
+gradient, only the load-balancing loss moves it, so each expert's gradient comes from its sources' tokens).
 """
 
 from __future__ import annotations
@@ -362,8 +362,8 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
         ax.set_xlabel("training pairs seen (steps × batch)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MoE − dense, mean nDCG@10 ×100")
-    axes[0].legend([Line2D([], [], color=colours[i % len(colours)], marker="o", ls="") for i in range(len(options))], options,
-                   fontsize=8, title="option", title_fontsize=8)
+    axes[0].legend([Line2D([], [], color=colours[i % len(colours)], marker="o", ls="") for i in range(len(options))],
+                   options, fontsize=8, title="option", title_fontsize=8)
     fig.legend([Line2D([], [], color="grey", marker=markers[k % len(markers)], ls="") for k in range(len(studies))],
                [s["label"] for s in studies], loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.0),
                title="study (benchmarks/results/moe_vs_dense/)", title_fontsize=8)

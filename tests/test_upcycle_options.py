@@ -246,7 +246,7 @@ def test_source_router_rows_route_each_source_to_its_own_group(make_tiny):
 def test_copies_with_source_routers_route_by_source(make_tiny):
     """`copies-sources` in the study: granularity 1, so each source group is one expert; the copies keep the dense
     function whatever the routing (and give InfoNCE no router gradient: the test with minilm above), so routing
-    starts by source and the experts part by source."""
+    starts by source and each expert's gradient comes from its sources' tokens."""
     dense = make_tiny(num_layers=2)
     texts = [t for pair in zip(real_texts(40), digit_texts(40)) for t in pair]
     sources = ["prose", "digits"] * 40
@@ -257,6 +257,7 @@ def test_copies_with_source_routers_route_by_source(make_tiny):
     assert min(by_source) > 10 * max(by_chance), (by_source, by_chance)  # routing starts by source
     torch.testing.assert_close(torch.as_tensor(moe.encode(texts[:6])), torch.as_tensor(dense.encode(texts[:6])),
                                atol=2e-6, rtol=0)
+
 
 def test_source_router_init_is_checked(make_tiny):
     dense = make_tiny(num_layers=2)
