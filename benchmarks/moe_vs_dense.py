@@ -343,16 +343,17 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
         for k, study in enumerate(studies):
             for i, option in enumerate(options):
+                colour = colours[i % len(colours)]
                 gaps = study["gaps"].get(option, {}).get(key)
                 if not gaps:
                     continue
                 x = study["pairs_seen"] * (1 + 0.04 * i + 0.03 * k)  # side by side
                 mean, style = statistics.fmean(gaps), {"marker": markers[k % len(markers)], "ls": "none",
-                                                     "color": colours[i % len(colours)]}
+                                                     "color": colour}
                 if mean < floor:
                     ax.errorbar([x], [floor], **style)
                     ax.annotate(f"{mean:+.1f} (off scale)", (x, floor), xytext=(5, -3), textcoords="offset points",
-                                fontsize=7, color=colours[i % len(colours)])
+                                fontsize=7, color=colour)
                 else:
                     ax.errorbar([x], [mean], yerr=[[mean - max(min(gaps), floor)], [max(gaps) - mean]], capsize=3,
                                 **style)

@@ -280,6 +280,8 @@ def test_upcycle_options_are_checked(make_tiny):
         upcycle(dense, 8, 2, every=1, reinit=1.5)
     with pytest.raises(MoembedError, match="kmeans_texts"):
         upcycle(dense, 8, 2, every=1, router_init="kmeans")
+    with pytest.raises(MoembedError, match="router_init 'centroids'; choose random, kmeans, sources"):
+        upcycle(dense, 8, 2, every=1, router_init="centroids")
 
 
 # ---- diagnostics against hand-computed values ----------------------------------------------------------------

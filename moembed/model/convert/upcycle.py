@@ -29,7 +29,7 @@ balancing, `MoEConfig`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -138,8 +138,8 @@ def upcycle(
     if G < 1 or num_experts % G or top_k % G or src.intermediate_size % G:
         raise MoembedError(f"upcycle: granularity {G} must divide num_experts ({num_experts}), top_k ({top_k}) and "
                            f"the MLP's hidden size ({src.intermediate_size})")
-    if router_init not in ("random", "kmeans", "sources"):
-        raise MoembedError(f"upcycle: router_init {router_init!r}; choose random, kmeans or sources")
+    if router_init not in get_args(RouterInit):
+        raise MoembedError(f"upcycle: router_init {router_init!r}; choose {', '.join(get_args(RouterInit))}")
     if router_init != "random" and not kmeans_texts:
         raise MoembedError(f"upcycle: router_init {router_init!r} needs texts (kmeans_texts) to cluster the token "
                            "states of")
