@@ -41,7 +41,11 @@ copies' total), groups-router-lr (groups with the routers at 20 times the peak l
 5e-5, a rate for weights that start from nothing), groups-sources and groups-wide-sources (groups and groups-wide
 with routers that send each training source's tokens, in the multilingual recipe a language or language pair, to
 its own group from step 0), copies-sources (the default copies with such routers: the task gives the router no
-gradient, only the load-balancing loss moves it, so each expert's gradient comes from its sources' tokens).
+gradient, only the load-balancing loss moves it, so each expert's gradient comes from its sources' tokens),
+copies-noise (the copies with Gaussian noise of 0.1 times each weight's std: experts that differ a little, so the
+router gets a gradient, while the model stays within 0.995 cosine of the dense one; a control, Komatsuzaki et al.
+2023), copies-raw-gates (copies top-2 with the top-2 probabilities as gates, not renormalised: the released
+nomic-embed-v2 layout, a dense MLP scaled by about 2/8 at step 0 that gives the router a gradient).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ OPTIONS: dict[str, dict] = {
     "groups-sources": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
     "groups-wide-sources": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
     "copies-sources": {"experts": 8, "top_k": 2, "upcycling": {"router_init": "sources"}},
+    "copies-noise": {"experts": 8, "top_k": 2, "upcycling": {"noise": 0.1}},
+    "copies-raw-gates": {"experts": 8, "top_k": 2, "upcycling": {"renormalize": False}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
 

@@ -139,7 +139,7 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 15
+    assert len(STUDIES) == 16
     out = tmp_path / "figure.png"
     monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out), "--figure-with", *map(str, STUDIES)])
     main()
@@ -175,6 +175,10 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
     assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top
     cfg = config(args, "copies-sources", 0)  # the default copies, routers by source
     assert (cfg.experts, cfg.top_k, cfg.upcycling.granularity, cfg.upcycling.router_init) == (8, 2, 1, "sources")
+    cfg = config(args, "copies-noise", 0)  # the controls: noise on the copies, gates as the router gives them
+    assert (cfg.experts, cfg.top_k, cfg.upcycling.noise, cfg.upcycling.renormalize) == (8, 2, 0.1, True)
+    cfg = config(args, "copies-raw-gates", 0)
+    assert (cfg.experts, cfg.top_k, cfg.upcycling.noise, cfg.upcycling.renormalize) == (8, 2, 0.0, False)
     args.pretrain_batch_size = 128  # one pretraining key replaced, the preset's others kept
     cfg = config(args, "dense", 0)
     assert (cfg.pretrain.batch_size, cfg.pretrain.steps, cfg.pretrain.filter_top_k) == (128, 30, 10)

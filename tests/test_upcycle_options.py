@@ -93,6 +93,23 @@ def test_task_loss_gives_copies_no_router_gradient_and_groups_one(minilm_path):
     assert min(groups) > 1e-2 and min(groups) > 1e4 * max(copies)
 
 
+def test_noise_and_raw_gates_give_copies_a_router_gradient(minilm_path):
+    # The study's controls copies-noise and copies-raw-gates: each breaks the copies' symmetry its own way
+    from moembed.model.embedder import Embedder
+
+    dense = Embedder.load(minilm_path)
+    texts = real_texts(16)
+    copies = task_router_gradient(upcycle(dense, 8, 2, every=2), texts)
+    noisy = upcycle(dense, 8, 2, every=2, noise=0.1, seed=0)
+    raw = upcycle(dense, 8, 2, every=2, renormalize=False)
+    # noise: the experts differ, so dy/dg_j differs between them; raw gates: Σ g_j < 1 scales the MLP by the router
+    assert min(task_router_gradient(noisy, texts)) > 1e3 * max(copies)
+    assert min(task_router_gradient(raw, texts)) > 1e3 * max(copies)
+    reference = dense.encode(texts)
+    assert 0.99 < (noisy.encode(texts) * reference).sum(1).min() < 0.9999  # near the dense function, not on it
+    assert (raw.encode(texts) * reference).sum(1).min() < 0.99  # the MLPs scaled by about 2/8: far from it
+
+
 def test_tied_rows_of_a_group_split_after_one_step(make_tiny):
     dense = make_tiny(num_layers=2)
     moe = upcycle(dense, 8, 4, every=1, offset=0, granularity=4, seed=1)

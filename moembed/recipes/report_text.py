@@ -41,7 +41,7 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "(dev suite +0.25, 3 seeds); eight virtual groups (32 experts, top-4) at the default scale gave -0.72 (dev suite "
        "-0.11, 3 seeds), and two groups whose routers start by language (upcycling.router_init: sources) -0.17 (dev "
        "suite +0.39, 3 seeds; with the four times larger pool -0.28, dev suite +0.15), still behind on every "
-       "seed; copies gave -0.49 there, and -0.55 with routers by language (dev suite -0.42, 2 seeds)"),
+       "seed; copies gave -0.56 there, with routers by language or without (dev suite -0.46 and +0.04, 3 seeds)"),
 }
 
 
