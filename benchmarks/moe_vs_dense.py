@@ -78,6 +78,10 @@ OPTIONS: dict[str, dict] = {
     "copies-raw-gates": {"experts": 8, "top_k": 2, "upcycling": {"renormalize": False}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
+# The figure's marker per study, eighteen before they repeat (the last four: six- and four-pointed stars, five- and
+# three-armed asterisks, where "8", "H" and a three-pointed star would pass for "o", "h" and "^"), and colour per option
+MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0)]
+COLOURS = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]
 
 
 def given(**keys) -> dict:
@@ -341,20 +345,17 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     from moembed.figures import new_figure, save_png
 
     options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
-    markers = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45)]  # one per study, sixteen before they repeat (the last two:
-    # six- and four-pointed stars, where "8" and "H" would pass for "o" and "h")
-    colours = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]  # one per option
     fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
         for k, study in enumerate(studies):
             for i, option in enumerate(options):
-                colour = colours[i % len(colours)]
+                colour = COLOURS[i % len(COLOURS)]
                 gaps = study["gaps"].get(option, {}).get(key)
                 if not gaps:
                     continue
                 x = study["pairs_seen"] * (1 + 0.04 * i + 0.03 * k)  # side by side
-                mean, style = statistics.fmean(gaps), {"marker": markers[k % len(markers)], "ls": "none",
+                mean, style = statistics.fmean(gaps), {"marker": MARKERS[k % len(MARKERS)], "ls": "none",
                                                      "color": colour}
                 if mean < floor:
                     ax.errorbar([x], [floor], **style)
@@ -369,9 +370,9 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
         ax.set_xlabel("training pairs seen (steps × batch)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MoE − dense, mean nDCG@10 ×100")
-    axes[0].legend([Line2D([], [], color=colours[i % len(colours)], marker="o", ls="") for i in range(len(options))],
+    axes[0].legend([Line2D([], [], color=COLOURS[i % len(COLOURS)], marker="o", ls="") for i in range(len(options))],
                    options, fontsize=8, title="option", title_fontsize=8)
-    fig.legend([Line2D([], [], color="grey", marker=markers[k % len(markers)], ls="") for k in range(len(studies))],
+    fig.legend([Line2D([], [], color="grey", marker=MARKERS[k % len(MARKERS)], ls="") for k in range(len(studies))],
                [s["label"] for s in studies], loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.0),
                title="study (benchmarks/results/moe_vs_dense/)", title_fontsize=8)
     save_png(fig, path, bbox_inches="tight")

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_vs_dense import config, dump_study, figure, load_study, main, study_gaps, summarise  # noqa: E402
+from moe_vs_dense import (COLOURS, MARKERS, MOE_OPTIONS, config, dump_study, figure, load_study, main,  # noqa: E402
+                          study_gaps, summarise)
 
 from moembed.recipes.report_text import group_members  # noqa: E402
 
@@ -139,7 +140,10 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 16
+    assert len(STUDIES) == 17
+    # a marker of its own for each study, a colour of its own for each option
+    assert len(set(map(str, MARKERS))) == len(MARKERS) >= len(STUDIES)
+    assert len(set(COLOURS)) == len(COLOURS) >= len(MOE_OPTIONS)
     out = tmp_path / "figure.png"
     monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(out), "--figure-with", *map(str, STUDIES)])
     main()
