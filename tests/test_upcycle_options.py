@@ -81,7 +81,7 @@ def test_active_parameters_of_groups_equal_the_dense_model(make_tiny):
 # ---- the router's gradient from the task loss -----------------------------------------------------------------
 
 
-def test_task_loss_gives_copies_no_router_gradient_and_groups_one(minilm_path):
+def test_task_loss_gives_copies_no_router_gradient_and_groups_noise_raw_gates_one(minilm_path):
     from moembed.model.embedder import Embedder
 
     dense = Embedder.load(minilm_path)
@@ -91,15 +91,7 @@ def test_task_loss_gives_copies_no_router_gradient_and_groups_one(minilm_path):
     # y = Σ g_j MLP(x) with Σ g_j = 1: zero analytically; what is left is float32 rounding (~1e-7)
     assert max(copies) < 1e-5
     assert min(groups) > 1e-2 and min(groups) > 1e4 * max(copies)
-
-
-def test_noise_and_raw_gates_give_copies_a_router_gradient(minilm_path):
     # The study's controls copies-noise and copies-raw-gates: each breaks the copies' symmetry its own way
-    from moembed.model.embedder import Embedder
-
-    dense = Embedder.load(minilm_path)
-    texts = real_texts(16)
-    copies = task_router_gradient(upcycle(dense, 8, 2, every=2), texts)
     noisy = upcycle(dense, 8, 2, every=2, noise=0.1, seed=0)
     raw = upcycle(dense, 8, 2, every=2, renormalize=False)
     # noise: the experts differ, so dy/dg_j differs between them; raw gates: Σ g_j < 1 scales the MLP by the router
