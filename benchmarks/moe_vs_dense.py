@@ -76,11 +76,14 @@ OPTIONS: dict[str, dict] = {
     "copies-sources": {"experts": 8, "top_k": 2, "upcycling": {"router_init": "sources"}},
     "copies-noise": {"experts": 8, "top_k": 2, "upcycling": {"noise": 0.1}},
     "copies-raw-gates": {"experts": 8, "top_k": 2, "upcycling": {"renormalize": False}},
+    "groups-sources-window": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"},
+                              "train": {"balance_window": 16}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
-# The figure's marker per study, eighteen before they repeat (the last four: six- and four-pointed stars, five- and
-# three-armed asterisks, where "8", "H" and a three-pointed star would pass for "o", "h" and "^"), and colour per option
-MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0)]
+# The figure's marker per study, nineteen before they repeat (the last five: six- and four-pointed stars, five-,
+# three- and eight-armed asterisks, where "8", "H" and a three-pointed star would pass for "o", "h" and "^"), and
+# colour per option
+MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0)]
 COLOURS = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]
 
 

@@ -140,7 +140,7 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 17
+    assert len(STUDIES) == 19
     # a marker of its own for each study, a colour of its own for each option
     assert len(set(map(str, MARKERS))) == len(MARKERS) >= len(STUDIES)
     assert len(set(COLOURS)) == len(COLOURS) >= len(MOE_OPTIONS)

@@ -15,6 +15,9 @@ class LossConfig(BaseModel):
     matryoshka_dims / matryoshka_weights: prefixes whose losses are summed with these weights (Kusupati et al.;
         nomic-embed-v2 §4: 768 and 256; arctic-embed-2: 256). None: the full dimension only.
     aux_loss_coef: α of the MoE load-balancing loss (nomic-embed-v2 Eq. 1, α = 1).
+    balance_window: the steps over which that loss counts each expert's share of the routing, this one included:
+        1, the step's own batch (nomic-embed-v2); W > 1, the last W steps' batches (global-batch balancing, Qiu et
+        al. 2025, over steps: moembed.train.balance_window), so that one source per batch may go to its own experts.
     z_loss_coef: weight of the router z-loss (ST-MoE), 0 disables it.
     """
 
@@ -27,6 +30,7 @@ class LossConfig(BaseModel):
     matryoshka_dims: list[int] | None = None
     matryoshka_weights: list[float] | None = None
     aux_loss_coef: float = Field(1.0, ge=0)
+    balance_window: int = Field(1, ge=1)
     z_loss_coef: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")

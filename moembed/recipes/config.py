@@ -102,6 +102,9 @@ class QuickTrain(_Strict):
     temperature: float = Field(0.05, gt=0)
     matryoshka_dims: list[int] | None = None  # None: the base's width, 2/3 and 1/3 of it (384/256/128 for MiniLM)
     aux_loss_coef: float = Field(1.0, ge=0)
+    # Load balancing counts each expert's load over the last W steps' batches (LossConfig.balance_window): with
+    # one source per batch, W = 1 pushes a router that sorts the sources back to uniform within every batch.
+    balance_window: int = Field(1, ge=1)
     # The MoE's routers at this multiple of the peak lr, in both stages: the only weights an upcycled model does
     # not inherit trained (moembed.train.optim.param_groups; docs/moe.md, "Upcycling options").
     router_lr_scale: float = Field(1.0, gt=0)

@@ -41,7 +41,9 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "(dev suite +0.25, 3 seeds); eight virtual groups (32 experts, top-4) at the default scale gave -0.72 (dev suite "
        "-0.11, 3 seeds), and two groups whose routers start by language (upcycling.router_init: sources) -0.17 (dev "
        "suite +0.39, 3 seeds; with the four times larger pool -0.28, dev suite +0.15), still behind on every "
-       "seed; copies gave -0.56 there, with routers by language or without (dev suite -0.46 and +0.04, 3 seeds)"),
+       "seed; copies gave -0.56 there, with routers by language or without (dev suite -0.46 and +0.04, 3 seeds); on a "
+       "Zen 4 EPYC in bf16 routers by language gave -0.14 (dev suite +0.41) and, with the load balanced over the last "
+       "16 steps (train.balance_window), -0.26 (dev suite +0.60), 3 seeds each"),
 }
 
 
@@ -224,6 +226,7 @@ def settings(ctx: RecipeContext) -> str:
         return f"the pairs kept by consistency filtering top-{k}" if k else "every pair (no consistency filtering)"
 
     pre_k = c.curation_top_k if pre else None
+    window = f" over the last {t.balance_window} steps' routing" if t.balance_window > 1 else ""
     stage1 = (f"- stage 1, contrastive pretraining (nomic-embed-v1 §3, no MLM): {pre.steps} steps, batch "
               f"{pre.batch_size}, on {kept(pre_k)}{' (the larger, noisier pool)' if pre_k != c.filter_top_k else ''}"
               f", in-batch negatives only, InfoNCE τ = {pre.temperature}, lr {pre.lr} with {pre.warmup_steps} "
@@ -235,7 +238,7 @@ def settings(ctx: RecipeContext) -> str:
         f"{upcycling(c)} (docs/moe.md, \"Upcycling options\")\n"
         f"- finetuning: {t.steps} steps, batch {t.batch_size} (one source per batch), on {kept(c.filter_top_k)} "
         f"with {t.hard_negatives} mined hard negative(s) per query, InfoNCE τ = {t.temperature}, Matryoshka dims "
-        f"{ctx.matryoshka_dims}, load-balancing α = {t.aux_loss_coef} (MoE only), AdamW lr {t.lr} with "
+        f"{ctx.matryoshka_dims}, load-balancing α = {t.aux_loss_coef}{window} (MoE only), AdamW lr {t.lr} with "
         f"{t.warmup_steps} warmup steps and linear decay, max lengths {t.max_query_length}/{t.max_doc_length} "
         f"tokens, bf16 autocast {bf16}\n"
         f"- data curation: consistency filtering and positive-aware mining ({c.num_negatives} negatives, margin "

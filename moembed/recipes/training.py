@@ -156,6 +156,7 @@ def train_config(ctx: RecipeContext, kind: str, stage: str = "finetune"):
         "loss": {
             "temperature": t.temperature, "num_hard_negatives": hard, "matryoshka_dims": ctx.matryoshka_dims,
             "aux_loss_coef": c.train.aux_loss_coef if kind == "moe" else 0.0,
+            "balance_window": c.train.balance_window if kind == "moe" else 1,
         },
         "optim": {"lr": t.lr, "schedule": "linear", "warmup_steps": t.warmup_steps,
                   "router_lr_scale": c.train.router_lr_scale if kind == "moe" else 1.0},

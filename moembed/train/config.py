@@ -102,6 +102,9 @@ class TrainConfig(_Strict):
             raise ValueError(f"data: duplicate source names {dup}; give each a distinct `name`")
         if self.chunk_size is not None and self.chunk_size > self.batch_size:
             raise ValueError(f"chunk_size ({self.chunk_size}) must not exceed batch_size ({self.batch_size})")
+        if self.stage == "mlm" and self.loss.balance_window > 1:
+            raise ValueError("loss.balance_window: the mlm stage balances each step's batch (mlm.aux_loss_coef); the "
+                             "window is for the contrastive stages")
         return self
 
     @property

@@ -209,6 +209,7 @@ class Trainer:
             return None
         r = self.ckpt.load(latest, self.module, self.optimizer, self.scheduler, self.rank)
         self.stream.load_state(r.data_state)
+        self.stage.load_state(r.meta.get("stage_state", {}))
         self.step, self.last_ckpt, self.skipped = r.step, latest, int(r.meta.get("skipped", 0))
         log.info("resuming from %s (step %d)", latest, r.step)
         return r.step
@@ -216,7 +217,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         rngs = dist.all_gather_object(rng_state())
         if self.main:
-            meta = {"stage": self.stage.name, "world_size": self.world, "skipped": self.skipped}
+            meta = {"stage": self.stage.name, "world_size": self.world, "skipped": self.skipped,
+                    "stage_state": self.stage.state()}
             self.ckpt.save(self.step, self.module, self.optimizer, self.scheduler, self.stream.state(), meta, rngs)
         dist.barrier()
         self.last_ckpt = self.ckpt.path(self.step)  # on every rank: a stop names it alike on all

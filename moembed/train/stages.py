@@ -26,6 +26,7 @@ from moembed.data.sources import SourceStats
 from moembed.model.convert.rotary import to_rotary
 from moembed.model.embedder import Embedder
 from moembed.model.tokenizer import Batch, TextTokenizer
+from moembed.train.balance_window import RoutingWindow
 from moembed.train.build import build_pair_stream, build_text_stream
 from moembed.train.config import TrainConfig
 from moembed.train.mlm import MLMForward, MLMModel, MLMOutput, mask_id, mask_tokens, special_ids
@@ -85,6 +86,14 @@ class Stage:
         before this one. The step never decides to stop: the Trainer checks losses and gradients of all ranks."""
         raise NotImplementedError
 
+    def state(self) -> dict:
+        """What the stage carries from step to step besides the model, optimizer and data (JSON, saved with each
+        checkpoint; the same on every rank)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore `state()` from a checkpoint."""
+
     def write_extras(self, module: nn.Module, directory: Path) -> None:
         """Files besides the model that the next run of this stage needs (written by rank 0 only)."""
 
@@ -94,6 +103,16 @@ class ContrastiveStage(Stage):
 
     name = "contrastive"
     rate_unit = "pairs_per_s"
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        self.window = RoutingWindow(cfg.loss.balance_window)  # load balancing over the last W steps
+
+    def state(self) -> dict:
+        return {"routing_window": self.window.state()}
+
+    def load_state(self, state: dict) -> None:
+        self.window.load_state(state.get("routing_window", []))
 
     def build_module(self, embedder: Embedder) -> nn.Module:
         return embedder
@@ -113,7 +132,8 @@ class ContrastiveStage(Stage):
         n = tokenize(tok, b.negatives, cfg.max_doc_length, device) if b.negatives else None
         # Gradients come back averaged over ranks; false negatives are found by document text.
         res = steps.contrastive_step(module, q, d, n, cfg.loss, cfg.chunk_size,
-                                     doc_ids=b.documents + (b.negatives or []))
+                                     doc_ids=b.documents + (b.negatives or []), routing_history=self.window.history())
+        self.window.push(res.global_counts)
         rec = {"source": b.source, "loss": _scalar(res.loss), "rank_loss": _scalar(res.rank_loss),
                "contrastive": _scalar(res.contrastive), "aux": _scalar(res.aux), "z": _scalar(res.z)}
         if res.per_dim:
@@ -133,7 +153,7 @@ def mlm_loss(model: MLMModel, out: MLMForward) -> MLMOutput:
     counts and is weighted by this rank's token share (`step.global_routing`, a collective), so the mean over
     ranks is the loss of the whole batch."""
     if out.router_logits and model.aux_loss_coef > 0:
-        fractions, share = steps.global_routing(out.expert_counts)
+        fractions, share, _ = steps.global_routing(out.expert_counts)
         return model.loss(out, fractions, share)
     return model.loss(out)
 

@@ -32,6 +32,7 @@ class StepResult:
     per_dim: dict[int, float] = field(default_factory=dict)  # InfoNCE at each Matryoshka dimension
     num_queries: int = 0  # queries in the global batch (all ranks)
     expert_counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer (E,), this rank, all passes
+    global_counts: torch.Tensor | None = None  # (L, E) the step's routing assignments of all ranks; None: dense
     rank_loss: float = 0.0  # this rank's own term of `loss` before averaging (says where a NaN arose)
 
 
@@ -48,6 +49,7 @@ def contrastive_step(
     loss: LossConfig,
     chunk_size: int | None = None,
     doc_ids: torch.Tensor | Sequence[str] | None = None,
+    routing_history: torch.Tensor | None = None,
 ) -> StepResult:
     """Forward and backward of the contrastive objective on this rank's share of a batch.
 
@@ -64,6 +66,8 @@ def contrastive_step(
         chunk_size: GradCache chunk (sequences per forward pass) when smaller than a batch; None: plain.
         doc_ids: identities of the B + B·H documents (positives then negatives) for false-negative masking:
             texts (hashed) or an int64 tensor. Default: the documents' token ids.
+        routing_history: (L, E) routing assignments of all ranks in earlier steps, added to this step's when
+            counting the load-balancing fractions (`balance_window.RoutingWindow.history`); None: this step only.
     Embeddings of all ranks are gathered with gradient, so every rank's documents are negatives for every query;
     each rank's contrastive term is its queries' share of the global mean, so averaging gradients over ranks
     gives the gradient of the global-batch loss. The MoE auxiliary losses likewise: the load-balancing loss takes
@@ -87,7 +91,7 @@ def contrastive_step(
         return out.embeddings, out.encoder.router_logits, out.encoder.expert_counts
 
     def objective(enc: Encoded):
-        return _objective(enc, loss, ids, sizes, top_k)
+        return _objective(enc, loss, ids, sizes, top_k, routing_history)
 
     # Gradients are averaged over ranks in buckets whose all-reduces overlap the last backward pass.
     with dist.synchronised_gradients(bare) as last_backward:
@@ -121,7 +125,8 @@ def _document_ids(doc_ids, documents: Batch, negatives: Batch | None, B: int) ->
     return ids.long()
 
 
-def _objective(enc: Encoded, cfg: LossConfig, ids: torch.Tensor, sizes: list[int], top_k: int):
+def _objective(enc: Encoded, cfg: LossConfig, ids: torch.Tensor, sizes: list[int], top_k: int,
+               history: torch.Tensor | None):
     """The loss on this rank's encoded batches, against the documents of all ranks."""
     q, d = enc.embeddings[0], enc.embeddings[1]  # (B, dim) each
     B, Bg, W = q.shape[0], sum(sizes), len(sizes)
@@ -143,30 +148,37 @@ def _objective(enc: Encoded, cfg: LossConfig, ids: torch.Tensor, sizes: list[int
     contrastive = contrastive * share
     zero = contrastive.new_zeros(())
     aux = z = zero
+    counts = None
     if enc.router_logits:
-        # r_i of Eq. 1 over the global batch; `share` makes the mean over ranks the global loss (as for InfoNCE).
-        fractions, token_share = global_routing(enc.expert_counts)
+        # r_i of Eq. 1 over the global batch (and the window's earlier steps); `share` makes the mean over ranks the
+        # global loss (as for InfoNCE).
+        fractions, token_share, counts = global_routing(enc.expert_counts, history)
         aux = load_balancing_loss(enc.router_logits, top_k, fractions=fractions).to(zero) * token_share
         z = router_z_loss(enc.router_logits).to(zero) * token_share
     total = contrastive + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
     logged = torch.stack([total, contrastive, aux, z] + [v * share for v in per_dim.values()]).detach()
-    return total, (logged, list(per_dim), enc.expert_counts)
+    return total, (logged, list(per_dim), enc.expert_counts, counts)
 
 
-def global_routing(expert_counts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+def global_routing(
+    expert_counts: Sequence[torch.Tensor], history: torch.Tensor | None = None
+) -> tuple[list[torch.Tensor], float, torch.Tensor]:
     """Routing fractions of the global batch and this rank's token share, for the MoE auxiliary losses.
 
     expert_counts: this rank's routing assignments per MoE layer, (E,) each, over all of its tokens in the step
         (every forward pass; under GradCache, the counts of the no-grad pass over all chunks).
-    Returns (r, share): r per layer (E,), the fractions of the counts summed over ranks (r_i of nomic-embed-v2
+    Returns (r, share, counts): r per layer (E,), the fractions of the counts summed over ranks (r_i of nomic-embed-v2
     Eq. 1 for the global batch); share = W·N_rank / N_global, the weight that makes the mean over ranks of the
     per-rank losses equal the global-batch loss (see `load_balancing_loss`). In one process: local r, share 1.
+    history: (L, E) assignments of all ranks in earlier steps (the same on every rank), added before r is taken.
+    The third value is this step's (L, E) assignments of all ranks, for the window.
     """
     local = torch.stack([c.detach() for c in expert_counts])  # (L, E) assignments of this rank
     total = dist.all_reduce_sum(local)  # (L, E) assignments of all ranks
     # Every MoE layer routes every real token, so any layer's N·k gives the token share (k cancels).
     share = dist.world_size() * float(local[0].sum()) / max(float(total[0].sum()), 1.0)
-    return routing_fractions(total), share
+    counted = total if history is None else total + history.to(total)
+    return routing_fractions(counted), share, total
 
 
 def _gather_ids(ids: torch.Tensor, B: int, sizes: list[int]) -> torch.Tensor:
@@ -179,11 +191,11 @@ def _gather_ids(ids: torch.Tensor, B: int, sizes: list[int]) -> torch.Tensor:
 
 
 def _result(parts, num_queries: int) -> StepResult:
-    logged, dims, counts = parts
+    logged, dims, counts, global_counts = parts
     local = logged[0]
     logged = dist.all_reduce_mean(logged).tolist()
     return StepResult(
         loss=logged[0], contrastive=logged[1], aux=logged[2], z=logged[3],
         per_dim=dict(zip(dims, logged[4:])), num_queries=num_queries, expert_counts=list(counts),
-        rank_loss=float(local),
+        global_counts=global_counts, rank_loss=float(local),
     )
