@@ -25,10 +25,7 @@ class RoutingWindow:
     """
 
     def __init__(self, steps: int):
-        if steps < 1:
-            raise ValueError(f"balance_window: must be at least 1 step, got {steps}")
-        self.steps = steps
-        self.counts: deque[torch.Tensor] = deque(maxlen=steps - 1)
+        self.counts: deque[torch.Tensor] = deque(maxlen=steps - 1)  # appending beyond W − 1 drops the oldest
 
     def history(self) -> torch.Tensor | None:
         """(L, E) assignments of the earlier steps in the window, summed; None when there are none."""
@@ -38,7 +35,7 @@ class RoutingWindow:
 
     def push(self, counts: torch.Tensor | None) -> None:
         """Add one step's (L, E) counts of all ranks (None: a dense model, nothing routed)."""
-        if counts is not None and self.counts.maxlen:
+        if counts is not None:
             self.counts.append(counts.detach().to("cpu", torch.float64))
 
     def state(self) -> list:
@@ -47,5 +44,4 @@ class RoutingWindow:
 
     def load_state(self, state: list) -> None:
         self.counts.clear()
-        for c in state[-self.counts.maxlen:] if self.counts.maxlen else []:
-            self.counts.append(torch.tensor(c, dtype=torch.float64))
+        self.counts.extend(torch.tensor(c, dtype=torch.float64) for c in state)
