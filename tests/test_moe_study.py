@@ -16,7 +16,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from moe_vs_dense import (COLOURS, MARKERS, MOE_OPTIONS, config, dump_study, figure, load_study, main,  # noqa: E402
-                          study_gaps, summarise)
+                          study_gaps, summarise, trend)
 
 from moembed.recipes.report_text import group_members  # noqa: E402
 
@@ -140,7 +140,7 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 19
+    assert len(STUDIES) == 20
     # a marker of its own for each study, a colour of its own for each option
     assert len(set(map(str, MARKERS))) == len(MARKERS) >= len(STUDIES)
     assert len(set(COLOURS)) == len(COLOURS) >= len(MOE_OPTIONS)
@@ -190,3 +190,48 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
     assert config(args, "dense", 0).train.chunk_size == 8
     args.preset = "english"  # a preset without chunks gets them too
     assert config(args, "groups", 0).train.chunk_size == 8
+
+
+def scaled(pairs, **gaps):
+    """A study at `pairs` seen with each option's test gaps (dev: the same)."""
+    return {"label": str(pairs), "pairs_seen": pairs, "gaps": {o: {"test": g, "dev": g} for o, g in gaps.items()}}
+
+
+T_975_2 = 4.302653  # Student's t, 97.5th percentile, 2 degrees of freedom (the tables)
+
+
+def test_trend_is_the_least_squares_line_through_every_seed():
+    # three studies on the line gap = log10(pairs) − 4: slope +1 per tenfold pairs, no residual, zero at 1e4
+    exact = trend([scaled(1000, copies=[-1.0]), scaled(10_000, copies=[0.0]), scaled(100_000, copies=[1.0])],
+                  "copies", "test")
+    assert exact["slope"] == pytest.approx(1.0) and exact["low"] == pytest.approx(1.0) == exact["high"]
+    assert exact["zero"] == pytest.approx(1e4) and exact["at_most"] == pytest.approx(1.0)
+    assert exact["ruled_out_to"] is None and exact["points"] == 3 and exact["pairs_seen"] == [1000, 10_000, 100_000]
+    # flat at −1 with residuals ±0.1 (x = 3, 4): s = √(0.04 / 2), Sxx = 1; slope 0 ± t·s; the band
+    # −1 + t·s·√(1/4 + (x − 3.5)²) meets zero at x = 3.5 + √(1/(t·s)² − 1/4) ≈ 5.0655
+    flat = trend([scaled(1000, groups=[-1.1, -0.9]), scaled(10_000, groups=[-1.1, -0.9])], "groups", "dev")
+    ts = T_975_2 * (0.04 / 2) ** 0.5
+    assert flat["slope"] == pytest.approx(0.0, abs=1e-12) and flat["zero"] is None
+    assert flat["high"] == pytest.approx(ts, rel=1e-5) and flat["low"] == pytest.approx(-ts, rel=1e-5)
+    x = 3.5 + (1 / ts ** 2 - 0.25) ** 0.5
+    assert 10 ** (x - 0.011) < flat["ruled_out_to"] <= 10 ** x  # found in hundredths of a decade
+    # falling, the whole interval below zero: a crossing is ruled out at every scale
+    falling = trend([scaled(1000, copies=[0.0, 0.1]), scaled(10_000, copies=[-1.0, -1.1])], "copies", "test")
+    assert falling["slope"] == pytest.approx(-1.1) and falling["high"] < 0 and falling["zero"] is None
+    assert falling["ruled_out_to"] == float("inf")
+
+
+def test_trend_needs_two_scales_and_three_points_and_prints_a_table(capsys, monkeypatch, tmp_path):
+    assert trend([scaled(1000, copies=[-1.0, -0.5, 0.2])], "copies", "test") is None  # one scale
+    assert trend([scaled(1000, copies=[-1.0]), scaled(2000, copies=[0.0])], "copies", "test") is None  # 2 points
+    assert trend([scaled(1000, copies=[-1.0]), scaled(2000, copies=[0.0])], "groups", "test") is None  # absent
+    paths = []
+    for k, study in enumerate([scaled(1000, copies=[-1.0], groups=[0.5]), scaled(10_000, copies=[0.0]),
+                               scaled(100_000, copies=[1.0])]):
+        paths.append(tmp_path / f"{k}.json")
+        paths[-1].write_text(dump_study(study))
+    monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--trend", *map(str, paths)])
+    main()
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert rows == ["| copies | 1000, 10000, 100000 | 3 | +1.00 [+1.00, +1.00] | +1.00 | 1e+04 | - | "
+                    "+1.00 [+1.00, +1.00] | +1.00 | 1e+04 | - |"]  # groups: one scale, no line
