@@ -87,8 +87,7 @@ OPTIONS: dict[str, dict] = {
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
 # The figure's marker per study, twenty before they repeat (the last six: six- and four-pointed stars, five-,
 # three- and eight-armed asterisks and a thin cross, where "8", "H" and a three-pointed star would pass for "o", "h"
-# and "^"), and
-# colour per option
+# and "^"), and colour per option
 MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x"]
 COLOURS = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]
 
