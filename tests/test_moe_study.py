@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from moe_trend import trend  # noqa: E402
 from moe_vs_dense import (COLOURS, MARKERS, MOE_OPTIONS, config, dump_study, figure, load_study, main,  # noqa: E402
-                          study_gaps, summarise, trend)
+                          study_gaps, summarise)
 
 from moembed.recipes.report_text import group_members  # noqa: E402
 
