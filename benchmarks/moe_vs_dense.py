@@ -24,12 +24,12 @@ keys. A seed changes the router initialisation and the order of batches, not the
 Per run, OUT/runs/<option>-s<seed>/result.json: nDCG@10 per test set, dev-suite main scores, total and active
 parameters, training and encoding seconds, the router's gradient norm from InfoNCE alone (no auxiliary loss) on
 one training batch before and after training, and the diagnostics of `moembed.model.diagnostics` (divergence,
-entropy, load, mutual information between expert and training source) on a sample of training texts.
+entropy, load, mutual information between expert and training source) on a sample of training texts, and the recipe.
 OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per
 test set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts
 once in its group's mean and in the mean over all); pairs seen count both stages' steps × batch. OUT/gaps.json:
 what the figure plots of the study (per option the gap of each seed on the mean test score and on the dev suite,
-the pairs seen, `--label`); benchmarks/results/moe_vs_dense/ keeps those of the studies in docs/moe.md. The
+the pairs seen, the recipe, `--label`); benchmarks/results/moe_vs_dense/ keeps those of the studies in docs/moe.md. The
 figure also plots the studies of `--figure-with` (study directories or gaps files: other sizes, batches, recipes),
 each paired with its own control.
 
@@ -50,7 +50,8 @@ nomic-embed-v2 layout, a dense MLP scaled by about 2/8 at step 0 that gives the 
 
 `--trend STUDIES` prints, per option measured at two or more pairs seen, the line through every seed's gap against
 log10(pairs seen) that moe_trend.py fits: its slope per tenfold pairs with a 95% interval, and where it would cross
-zero. Give it one recipe's studies: their gaps are each against a control of their own recipe, machine and batch.
+zero. Give it one recipe's studies (it refuses a mix): their gaps are each against a control of their own recipe,
+machine and batch.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ OPTIONS: dict[str, dict] = {
                               "train": {"balance_window": 16}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
-# The figure's marker per study, twenty before they repeat (the last six: six- and four-pointed stars, five-,
-# three- and eight-armed asterisks and a thin cross, where "8", "H" and a three-pointed star would pass for "o", "h"
-# and "^"), and colour per option
-MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x"]
+# The figure's marker per study, twenty-one before they repeat (the last seven: six- and four-pointed stars, five-,
+# three- and eight-armed asterisks, a thin cross and a thin plus, where "8", "H" and a three-pointed star would pass
+# for "o", "h" and "^"), and colour per option
+MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x", "+"]
 COLOURS = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]
 
 
@@ -209,7 +210,8 @@ def run(args, option: str, seed: int) -> dict:
               "router_grad_step0": grad0, "router_grad_trained": grad1, "diagnostics": diag,
               "pairs_seen": c.train.steps * c.train.batch_size + (c.pretrain.steps * c.pretrain.batch_size
                                                                   if c.pretrain else 0),
-              "groups": {g: n for g, n in group_members(test_sets).items() if g != "all"}, "threads": args.threads}
+              "groups": {g: n for g, n in group_members(test_sets).items() if g != "all"}, "threads": args.threads,
+              "preset": args.preset}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     # what the result came from stays (the trained model); starting points and checkpoints can be made again
     made_again = [out / "models", out / "runs" / kind / "checkpoints"]
@@ -272,18 +274,22 @@ def summarise(args, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def study_gaps(results: list[dict], label: str) -> dict:
+def study_gaps(results: list[dict], label: str, preset: str | None = None) -> dict:
     """What the figure plots of one study: per MoE option its gap to the dense control of the same seed (×100),
     seed by seed to 1e-4 of a point, on the mean over the test sets ("test") and over the dev suite ("dev"), at
-    its pairs seen."""
+    its pairs seen, and its recipe: the one its runs record (`preset` for runs that record none)."""
     seen = sorted({r["pairs_seen"] for r in results})
     if len(seen) != 1:
         raise SystemExit(f"{label}: " + (f"its runs saw {seen} pairs; a study's runs all see the same" if seen else
                                          "no runs (runs/*/result.json)"))
+    recipes = sorted({r["preset"] for r in results if "preset" in r})
+    if len(recipes) > 1:
+        raise SystemExit(f"{label}: its runs come from the recipes {recipes}; a study's runs all follow one")
+    preset = recipes[0] if recipes else preset
     gaps = {o: {k: [round(g, 4) for g in paired_gaps(results, o, mean_of(key))]
                 for k, key in (("test", "scores"), ("dev", "suite"))}
             for o in MOE_OPTIONS if paired(results, o)}
-    return {"label": label, "pairs_seen": seen[0], "gaps": gaps}
+    return {"label": label, **({"preset": preset} if preset else {}), "pairs_seen": seen[0], "gaps": gaps}
 
 
 def dump_study(study: dict) -> str:
@@ -298,17 +304,21 @@ def read_runs(study: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted((study / "runs").glob("*/result.json"))]
 
 
-def label_of(study: Path) -> str:
-    """A study directory's name in the figure: the label its gaps.json keeps (`--label`), else the directory's."""
+def saved_gaps(study: Path) -> dict:
+    """A study directory's gaps.json as its last summary wrote it ({} before the first): the label (`--label`) and
+    the recipe it was summarised with."""
     saved = study / "gaps.json"
-    return json.loads(saved.read_text()).get("label", study.name) if saved.exists() else study.name
+    return json.loads(saved.read_text()) if saved.exists() else {}
 
 
 def load_study(path: Path) -> dict:
     """A study for the figure: a study directory (its runs) or a gaps file, checked: a bad one is refused naming
     the file and the key."""
+    from moembed.recipes.config import RECIPE_PRESETS
+
     if path.is_dir():
-        return study_gaps(read_runs(path), label_of(path))
+        saved = saved_gaps(path)
+        return study_gaps(read_runs(path), saved.get("label", path.name), saved.get("preset"))
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -317,10 +327,12 @@ def load_study(path: Path) -> dict:
     def bad(key: str, what: str):
         raise SystemExit(f"{path}: {key}: {what}")
 
-    if not isinstance(doc, dict) or set(doc) - {"label", "pairs_seen", "gaps", "source"}:
-        bad("(top level)", "an object with label, pairs_seen, gaps and optionally source")
+    if not isinstance(doc, dict) or set(doc) - {"label", "preset", "pairs_seen", "gaps", "source"}:
+        bad("(top level)", "an object with label, pairs_seen, gaps and optionally preset and source")
     if not isinstance(doc.get("label"), str) or not doc["label"]:
         bad("label", "the study's name in the figure, a string")
+    if "preset" in doc and doc["preset"] not in RECIPE_PRESETS:
+        bad("preset", f"the study's recipe, one of {', '.join(RECIPE_PRESETS)}")
     if not isinstance(doc.get("pairs_seen"), int) or doc["pairs_seen"] < 1:
         bad("pairs_seen", "training pairs seen, a positive integer")
     if not isinstance(doc.get("gaps"), dict) or not doc["gaps"]:
@@ -421,7 +433,12 @@ def main() -> None:
     if args.trend:
         from moe_trend import trend_table
 
-        print(trend_table([load_study(path) for path in sorted(args.trend, key=study_order)]))
+        paths = sorted(args.trend, key=study_order)
+        studies = [load_study(path) for path in paths]
+        if len({s["preset"] for s in studies if "preset" in s}) > 1:  # each gap is against its own recipe's control
+            p.error("--trend: one recipe's studies at a time; these are " + ", ".join(
+                f"{path.name} ({s.get('preset', 'recipe not recorded')})" for path, s in zip(paths, studies)))
+        print(trend_table(studies))
         return
     args.figure_with = sorted(args.figure_with, key=study_order)  # the legend in the studies' numbering
     if args.out is None:
@@ -451,7 +468,8 @@ def main() -> None:
                 print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
                       f"train {r['train_seconds']} s", flush=True)
     results = read_runs(args.out)
-    gaps = study_gaps(results, args.label or label_of(args.out))
+    saved = saved_gaps(args.out)
+    gaps = study_gaps(results, args.label or saved.get("label", args.out.name), saved.get("preset", args.preset))
     table = summarise(args, results)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "gaps.json").write_text(dump_study(gaps))

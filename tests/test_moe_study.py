@@ -47,18 +47,23 @@ def test_table_and_gaps_pair_each_run_with_its_own_seeds_control(tmp_path):
     assert (tmp_path / "gap.png").read_bytes()[:8] == PNG
 
 
-def test_a_study_whose_runs_saw_different_pairs_is_refused():
+def test_a_study_whose_runs_saw_different_pairs_or_recipes_is_refused():
     with pytest.raises(SystemExit, match=r"mixed: its runs saw \[3840, 128000\] pairs"):
         study_gaps([*SMALL, result("copies", 0, 0.5, 0.7, 128000)], "mixed")
+    english, multilingual = ({**r, "preset": p} for r, p in zip(SMALL[:2], ("english", "multilingual")))
+    with pytest.raises(SystemExit, match=r"two: its runs come from the recipes \['english', 'multilingual'\]"):
+        study_gaps([english, multilingual], "two")
     with pytest.raises(SystemExit, match="empty: no runs"):
         study_gaps([], "empty")
 
 
 def test_a_gaps_file_round_trips_and_a_study_directory_reads_as_one(tmp_path):
-    study = study_gaps(SMALL, "small, batch 32")
+    study = study_gaps(SMALL, "small, batch 32", "english")  # runs that do not record their recipe: the one given
+    assert list(study) == ["label", "preset", "pairs_seen", "gaps"] and study["preset"] == "english"
+    assert study_gaps([{**r, "preset": "multilingual"} for r in SMALL], "x", "english")["preset"] == "multilingual"
     (tmp_path / "gaps.json").write_text(dump_study(study))
     assert load_study(tmp_path / "gaps.json") == study
-    for r in SMALL:  # a study directory: its runs, labelled as its gaps.json says
+    for r in SMALL:  # a study directory: its runs, labelled and of the recipe its gaps.json says
         run = tmp_path / "runs" / f"{r['option']}-s{r['seed']}"
         run.mkdir(parents=True)
         (run / "result.json").write_text(json.dumps(r))
@@ -74,6 +79,8 @@ def test_a_gaps_file_round_trips_and_a_study_directory_reads_as_one(tmp_path):
     ({"label": "x", "pairs_seen": 10, "gaps": {"copies": {"test": [], "dev": [1.0]}}}, "gaps.copies.test"),
     ({"label": "x", "pairs_seen": 10, "gaps": {"groups": {"test": [1.0], "dev": ["a"]}}}, "gaps.groups.dev"),
     ({"label": "x", "pairs_seen": 10, "gaps": {"copies": {"test": [1.0], "dev": [1.0]}}, "seeds": 2}, "(top level)"),
+    ({"label": "x", "preset": "french", "pairs_seen": 10, "gaps": {"copies": {"test": [1.0], "dev": [1.0]}}},
+     "preset"),
 ])
 def test_a_bad_gaps_file_is_refused_naming_the_file_and_key(tmp_path, doc, key):
     path = tmp_path / "study.json"
@@ -142,6 +149,8 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
     assert len(STUDIES) == 20
+    # each kept study records the recipe its name gives (what --trend checks a fit against)
+    assert [load_study(p)["preset"] for p in STUDIES] == [p.name.split("-")[1] for p in STUDIES]
     # a marker of its own for each study, a colour of its own for each option
     assert len(set(map(str, MARKERS))) == len(MARKERS) >= len(STUDIES)
     assert len(set(COLOURS)) == len(COLOURS) >= len(MOE_OPTIONS)
@@ -236,3 +245,9 @@ def test_trend_needs_two_scales_and_three_points_and_prints_a_table(capsys, monk
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
     assert rows == ["| copies | 1000, 10000, 100000 | 3 | +1.00 [+1.00, +1.00] | +1.00 | 1e+04 | - | "
                     "+1.00 [+1.00, +1.00] | +1.00 | 1e+04 | - |"]  # groups: one scale, no line
+    paths[1].write_text(dump_study({**scaled(10_000, copies=[0.0]), "preset": "english"}))
+    paths[2].write_text(dump_study({**scaled(100_000, copies=[1.0]), "preset": "multilingual"}))
+    with pytest.raises(SystemExit) as e:  # each gap is against its own recipe's control: not one line
+        main()
+    assert e.value.code == 2 and ("--trend: one recipe's studies at a time; these are 0.json (recipe not recorded), "
+                                  "1.json (english), 2.json (multilingual)") in capsys.readouterr().err
