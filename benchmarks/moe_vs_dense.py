@@ -468,8 +468,7 @@ def main() -> None:
                 print(f"{r['option']} seed {r['seed']}: mean test {100 * statistics.fmean(r['scores'].values()):.2f}, "
                       f"train {r['train_seconds']} s", flush=True)
     results = read_runs(args.out)
-    saved = saved_gaps(args.out)
-    gaps = study_gaps(results, args.label or saved.get("label", args.out.name), saved.get("preset", args.preset))
+    gaps = study_gaps(results, args.label or saved_gaps(args.out).get("label", args.out.name), args.preset)
     table = summarise(args, results)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "gaps.json").write_text(dump_study(gaps))
