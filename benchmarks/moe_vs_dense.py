@@ -356,6 +356,17 @@ def study_order(path: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", Path(path).name)]
 
 
+def side_by_side(studies: list[dict], options: list[str], step: float = 0.01) -> dict[tuple[int, str], float]:
+    """Where the figure draws each (study index, option): the points at one pairs seen side by side, `step` decades
+    apart, centred on it (their mean log10 x is its log10), so that no point strays far from the pairs it saw."""
+    at = {}
+    for pairs in {s["pairs_seen"] for s in studies}:
+        here = [(k, o) for k, s in enumerate(studies) if s["pairs_seen"] == pairs for o in options if o in s["gaps"]]
+        for j, point in enumerate(here):
+            at[point] = pairs * 10 ** (step * (j - (len(here) - 1) / 2))
+    return at
+
+
 def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study (marker, named
     in the legend below): the mean over seeds, bars from min to max. A mean below `floor` is drawn on the floor
@@ -365,6 +376,7 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
     from moembed.figures import new_figure, save_png
 
     options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
+    at = side_by_side(studies, options)
     fig = new_figure((10.0, 4.8))
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
@@ -374,7 +386,7 @@ def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
                 gaps = study["gaps"].get(option, {}).get(key)
                 if not gaps:
                     continue
-                x = study["pairs_seen"] * (1 + 0.04 * i + 0.03 * k)  # side by side
+                x = at[(k, option)]
                 mean, style = statistics.fmean(gaps), {"marker": MARKERS[k % len(MARKERS)], "ls": "none",
                                                      "color": colour}
                 if mean < floor:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from moe_trend import trend  # noqa: E402
 from moe_vs_dense import (COLOURS, MARKERS, MOE_OPTIONS, config, dump_study, figure, load_study, main,  # noqa: E402
-                          study_gaps, summarise)
+                          side_by_side, study_gaps, summarise)
 
 from moembed.recipes.report_text import group_members  # noqa: E402
 
@@ -45,6 +45,22 @@ def test_table_and_gaps_pair_each_run_with_its_own_seeds_control(tmp_path):
     large = study_gaps([result("dense", 0, 0.40, 0.70, 128000), result("groups", 0, 0.39, 0.70, 128000)], "large")
     figure(tmp_path / "gap.png", [study, large])
     assert (tmp_path / "gap.png").read_bytes()[:8] == PNG
+
+
+def test_the_figure_draws_each_point_beside_the_pairs_it_saw():
+    """Points at one pairs seen stand side by side, a hundredth of a decade apart and centred on it, whatever the
+    study's place in the list (an offset growing with it once drew a late study at 1.9 times its pairs)."""
+    import math
+
+    studies = [scaled(1000, copies=[0.0], groups=[0.0]), scaled(5000, copies=[0.0]),
+               *(scaled(1000, groups=[0.0]) for _ in range(20)), scaled(5000, groups=[0.0])]
+    at = side_by_side(studies, ["copies", "groups"])
+    assert len(at) == 24 and at[(1, "copies")] == pytest.approx(5000 * 10 ** -0.005)
+    assert at[(22, "groups")] == pytest.approx(5000 * 10 ** 0.005)
+    thousand = sorted(math.log10(x) for (k, _), x in at.items() if studies[k]["pairs_seen"] == 1000)
+    assert len(thousand) == 22 and sum(thousand) / 22 == pytest.approx(3.0)
+    assert all(b - a == pytest.approx(0.01) for a, b in zip(thousand, thousand[1:]))
+    assert max(abs(x - 3.0) for x in thousand) == pytest.approx(0.105)
 
 
 def test_a_study_whose_runs_saw_different_pairs_or_recipes_is_refused():
@@ -148,7 +164,7 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
 
 
 def test_the_docs_figure_is_drawn_from_the_kept_studies_alone(tmp_path, monkeypatch, capsys):
-    assert len(STUDIES) == 20
+    assert len(STUDIES) == 21
     # each kept study records the recipe its name gives (what --trend checks a fit against)
     assert [load_study(p)["preset"] for p in STUDIES] == [p.name.split("-")[1] for p in STUDIES]
     # a marker of its own for each study, a colour of its own for each option
