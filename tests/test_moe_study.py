@@ -49,7 +49,7 @@ def test_table_and_gaps_pair_each_run_with_its_own_seeds_control(tmp_path):
 
 def test_the_figure_draws_each_point_beside_the_pairs_it_saw():
     """Points at one pairs seen stand side by side, a hundredth of a decade apart and centred on it, whatever the
-    study's place in the list (an offset growing with it once drew a late study at 1.9 times its pairs)."""
+    study's place in the list: a late study's point is as near its pairs as an early one's."""
     import math
 
     studies = [scaled(1000, copies=[0.0], groups=[0.0]), scaled(5000, copies=[0.0]),
