@@ -67,6 +67,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from moe_figure import figure
+
 OPTIONS: dict[str, dict] = {
     "dense": {},
     "copies": {"experts": 8, "top_k": 2},
@@ -86,11 +88,6 @@ OPTIONS: dict[str, dict] = {
                               "train": {"balance_window": 16}},
 }
 MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
-# The figure's marker per study, twenty-one before they repeat (the last seven: six- and four-pointed stars, five-,
-# three- and eight-armed asterisks, a thin cross and a thin plus, where "8", "H" and a three-pointed star would pass
-# for "o", "h" and "^"), and colour per option
-MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x", "+"]
-COLOURS = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]
 
 
 def given(**keys) -> dict:
@@ -356,60 +353,6 @@ def study_order(path: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", Path(path).name)]
 
 
-def side_by_side(studies: list[dict], options: list[str], step: float = 0.01) -> dict[tuple[int, str], float]:
-    """Where the figure draws each (study index, option): the points at one pairs seen side by side, `step` decades
-    apart, centred on it (their mean log10 x is its log10), so that no point strays far from the pairs it saw."""
-    at = {}
-    for pairs in {s["pairs_seen"] for s in studies}:
-        here = [(k, o) for k, s in enumerate(studies) if s["pairs_seen"] == pairs for o in options if o in s["gaps"]]
-        for j, point in enumerate(here):
-            at[point] = pairs * 10 ** (step * (j - (len(here) - 1) / 2))
-    return at
-
-
-def figure(path: Path, studies: list[dict], floor: float = -3.0) -> None:
-    """MoE − dense (mean test, dev suite) against training pairs seen, per option (colour) and study (marker, named
-    in the legend below): the mean over seeds, bars from min to max. A mean below `floor` is drawn on the floor
-    with its value written beside it, so that one broken option does not flatten the others against zero."""
-    from matplotlib.lines import Line2D
-
-    from moembed.figures import new_figure, save_png
-
-    options = [o for o in MOE_OPTIONS if any(o in s["gaps"] for s in studies)]
-    at = side_by_side(studies, options)
-    fig = new_figure((10.0, 4.8))
-    axes = fig.subplots(1, 2, sharex=True)
-    for ax, key, title in zip(axes, ("test", "dev"), ("held-out test sets", "dev suite")):
-        for k, study in enumerate(studies):
-            for i, option in enumerate(options):
-                colour = COLOURS[i % len(COLOURS)]
-                gaps = study["gaps"].get(option, {}).get(key)
-                if not gaps:
-                    continue
-                x = at[(k, option)]
-                mean, style = statistics.fmean(gaps), {"marker": MARKERS[k % len(MARKERS)], "ls": "none",
-                                                     "color": colour}
-                if mean < floor:
-                    ax.errorbar([x], [floor], **style)
-                    ax.annotate(f"{mean:+.1f} (off scale)", (x, floor), xytext=(5, -3), textcoords="offset points",
-                                fontsize=7, color=colour)
-                else:
-                    ax.errorbar([x], [mean], yerr=[[mean - max(min(gaps), floor)], [max(gaps) - mean]], capsize=3,
-                                **style)
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("training pairs seen (steps × batch)")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("MoE − dense, mean nDCG@10 ×100")
-    axes[0].legend([Line2D([], [], color=COLOURS[i % len(COLOURS)], marker="o", ls="") for i in range(len(options))],
-                   options, fontsize=8, title="option", title_fontsize=8)
-    fig.legend([Line2D([], [], color="grey", marker=MARKERS[k % len(MARKERS)], ls="") for k in range(len(studies))],
-               [s["label"] for s in studies], loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.0),
-               title="study (benchmarks/results/moe_vs_dense/)", title_fontsize=8)
-    save_png(fig, path, bbox_inches="tight")
-
-
 def main() -> None:
     from moembed.recipes.config import RECIPE_PRESETS
 
@@ -456,7 +399,7 @@ def main() -> None:
     if args.out is None:
         if args.figure is None or not args.figure_with:
             p.error("--out is required, unless --figure draws the studies of --figure-with alone")
-        figure(args.figure, [load_study(path) for path in args.figure_with])
+        figure(args.figure, [load_study(path) for path in args.figure_with], MOE_OPTIONS)
         return
     if (args.pretrain_steps or args.pretrain_batch_size) and RECIPE_PRESETS[args.preset].get("pretrain") is None:
         p.error(f"--pretrain-steps / --pretrain-batch-size: the {args.preset} recipe has no pretraining stage")
@@ -484,7 +427,7 @@ def main() -> None:
     table = summarise(args, results)
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "gaps.json").write_text(dump_study(gaps))
-    figure(args.figure or args.out / "gap_vs_pairs.png", [gaps, *map(load_study, args.figure_with)])
+    figure(args.figure or args.out / "gap_vs_pairs.png", [gaps, *map(load_study, args.figure_with)], MOE_OPTIONS)
     print(table)
 
 

@@ -15,9 +15,9 @@ import pytest
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from moe_figure import COLOURS, MARKERS, figure, side_by_side  # noqa: E402
 from moe_trend import trend  # noqa: E402
-from moe_vs_dense import (COLOURS, MARKERS, MOE_OPTIONS, config, dump_study, figure, load_study, main,  # noqa: E402
-                          side_by_side, study_gaps, summarise)
+from moe_vs_dense import MOE_OPTIONS, config, dump_study, load_study, main, study_gaps, summarise  # noqa: E402
 
 from moembed.recipes.report_text import group_members  # noqa: E402
 
@@ -43,7 +43,7 @@ def test_table_and_gaps_pair_each_run_with_its_own_seeds_control(tmp_path):
     assert study["gaps"]["groups"]["test"] == pytest.approx([1.0, -2.0])
     assert study["gaps"]["groups"]["dev"] == pytest.approx([-1.0, 2.0])
     large = study_gaps([result("dense", 0, 0.40, 0.70, 128000), result("groups", 0, 0.39, 0.70, 128000)], "large")
-    figure(tmp_path / "gap.png", [study, large])
+    figure(tmp_path / "gap.png", [study, large], MOE_OPTIONS)
     assert (tmp_path / "gap.png").read_bytes()[:8] == PNG
 
 
@@ -154,7 +154,7 @@ def test_the_figure_orders_studies_by_their_numbers(tmp_path, monkeypatch):
     import moe_vs_dense
 
     drawn = []
-    monkeypatch.setattr(moe_vs_dense, "figure", lambda path, studies: drawn.extend(s["label"] for s in studies))
+    monkeypatch.setattr(moe_vs_dense, "figure", lambda path, studies, registry: drawn.extend(s["label"] for s in studies))
     shell_order = sorted(map(str, STUDIES))  # as a shell's glob gives them: 1, 10, 11, ..., 2, ...
     monkeypatch.setattr(sys, "argv", ["moe_vs_dense.py", "--figure", str(tmp_path / "f.png"), "--figure-with",
                                       *shell_order])
