@@ -25,6 +25,10 @@ Per run, OUT/runs/<option>-s<seed>/result.json: nDCG@10 per test set, dev-suite 
 parameters, training and encoding seconds, the router's gradient norm from InfoNCE alone (no auxiliary loss) on
 one training batch before and after training, and the diagnostics of `moembed.model.diagnostics` (divergence,
 entropy, load, mutual information between expert and training source) on a sample of training texts, and the recipe.
+A run stopped before its result (a killed study, a machine taken back) continues from its stages' last checkpoints
+when the same command runs again, bit for bit as the training loop resumes; its result counts its starts and names
+each start's CPU (OUT/runs/<option>-s<seed>/starts.jsonl), and its training seconds count each step once, the time
+stopped not at all (`resumed_seconds`).
 OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per
 test set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts
 once in its group's mean and in the mean over all); pairs seen count both stages' steps × batch. OUT/gaps.json:
@@ -160,6 +164,7 @@ def run(args, option: str, seed: int) -> dict:
     from moembed.recipes.curation import held_out_dirs
     from moembed.recipes.quickstart import open_context
     from moembed.recipes.report_text import group_members
+    from precision import cpu_flags
 
     out = args.out / "runs" / f"{option}-s{seed}"
     if (out / "result.json").exists():
@@ -180,10 +185,19 @@ def run(args, option: str, seed: int) -> dict:
     batch = [r for s in sorted(rows) for r in rows[s][:8]][:32]
     grad0 = router_gradient(Embedder.load(out / "models" / f"{kind}-init", device=args.device), batch) if kind == "moe" else []
     stages = ["pretrain", "finetune"] if ctx.cfg.pretrain is not None else ["finetune"]
+    # A stopped run (a machine taken back, a killed study) restarts where it stopped: each stage resumes from its
+    # last checkpoint, and every start is recorded so that the training time counts the work once.
+    with (out / "starts.jsonl").open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": time.time(), "cpu": cpu_flags()}) + "\n")
+    starts = [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()]
     t = time.perf_counter()
     for stage in stages:
         training.train(ctx, kind, stage)
     train_s = time.perf_counter() - t
+    if len(starts) > 1:
+        train_s = resumed_seconds([json.loads(line).get("time") for stage in stages for line in
+                                   (out / "runs" / training.run_name(kind, stage) / "metrics.jsonl").open()],
+                                  [s["time"] for s in starts])
     model = Embedder.load(out / "runs" / kind / "model", device=args.device)
     grad1 = router_gradient(model, batch) if kind == "moe" else []
     model.eval()
@@ -208,7 +222,7 @@ def run(args, option: str, seed: int) -> dict:
               "pairs_seen": c.train.steps * c.train.batch_size + (c.pretrain.steps * c.pretrain.batch_size
                                                                   if c.pretrain else 0),
               "groups": {g: n for g, n in group_members(test_sets).items() if g != "all"}, "threads": args.threads,
-              "preset": args.preset}
+              "preset": args.preset, "starts": len(starts), "cpus": sorted({s["cpu"] for s in starts})}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     # what the result came from stays (the trained model); starting points and checkpoints can be made again
     made_again = [out / "models", out / "runs" / kind / "checkpoints"]
@@ -217,6 +231,18 @@ def run(args, option: str, seed: int) -> dict:
     for d in made_again:
         shutil.rmtree(d, ignore_errors=True)
     return result
+
+
+def resumed_seconds(times: list[float | None], starts: list[float]) -> float:
+    """Training seconds of a run that was stopped and restarted, from its logged steps' wall-clock times (the
+    stages' metrics.jsonl, in order; None for a record without one) and its starts: each step counts the time since
+    the step logged before it, or since the latest restart in between (a resumed stage drops the records of steps
+    after its checkpoint, so the steps redone count once and the time stopped not at all)."""
+    total, prev = 0.0, starts[0]
+    for t in (t for t in times if t is not None):
+        total += t - max([s for s in starts if prev < s < t], default=prev)
+        prev = t
+    return total
 
 
 def spread(xs: list[float]) -> str:

@@ -165,6 +165,33 @@ def test_bf16_expert_weights_are_cast_once_per_version_and_gradients_reach_float
     assert torch.equal(fresh, blk.experts.fc1_weight.detach().to(torch.bfloat16))
 
 
+def test_a_fused_optimizer_step_renews_the_bf16_expert_casts(monkeypatch):
+    """The trainer's fused AdamW writes the weights without bumping their versions; the next pass must still use
+    the updated weights (a cast kept from step 1 would train every later step on the experts' first weights)."""
+    blk = backends.use_experts(block(), "grouped")
+    opt = torch.optim.AdamW(blk.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(24, 32)
+    calls = grouped_calls(monkeypatch)
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = blk(x)[0]
+        return (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
+
+    before = loss()
+    before.backward()
+    version = blk.experts.fc1_weight._version
+    opt.step()
+    assert blk.experts.fc1_weight._version == version, "torch's fused AdamW now bumps versions: test another way"
+    with torch.no_grad():
+        after = loss()
+        assert calls  # the grouped matmuls ran
+        blk.experts.weight_cache.clear()
+        fresh = loss()  # cast again from the updated weights
+    assert not torch.equal(after, before.detach())
+    assert torch.equal(after, fresh)
+
+
 def test_passes_of_a_step_share_one_cast_node_and_gradients_equal_separate_casts():
     """Three passes (queries, documents, negatives) share one cast node per expert weight: one backward casts their
     summed gradient back once. Gradients match casts made per pass, with one backward or one per pass (GradCache);

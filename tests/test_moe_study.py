@@ -17,7 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from moe_figure import COLOURS, MARKERS, figure, side_by_side  # noqa: E402
 from moe_trend import trend  # noqa: E402
-from moe_vs_dense import MOE_OPTIONS, config, dump_study, load_study, main, study_gaps, summarise  # noqa: E402
+from moe_vs_dense import (  # noqa: E402
+    MOE_OPTIONS, config, dump_study, load_study, main, resumed_seconds, study_gaps, summarise)
 
 from moembed.recipes.report_text import group_members  # noqa: E402
 
@@ -45,6 +46,15 @@ def test_table_and_gaps_pair_each_run_with_its_own_seeds_control(tmp_path):
     large = study_gaps([result("dense", 0, 0.40, 0.70, 128000), result("groups", 0, 0.39, 0.70, 128000)], "large")
     figure(tmp_path / "gap.png", [study, large], MOE_OPTIONS)
     assert (tmp_path / "gap.png").read_bytes()[:8] == PNG
+
+
+def test_a_restarted_runs_training_time_counts_each_step_once_and_not_the_stop():
+    # started at 100, logged 110 and 120, stopped (the steps after its checkpoint at 120 dropped), restarted at 200,
+    # logged 205 and 215 and an eval record without a time: 10 + 10 + 5 + 10
+    assert resumed_seconds([110.0, 120.0, 205.0, None, 215.0], [100.0, 200.0]) == 35.0
+    # two stops in one gap: the latest restart counts; a run never stopped: its last step's time since the start
+    assert resumed_seconds([110.0, 330.0], [100.0, 200.0, 300.0]) == 40.0
+    assert resumed_seconds([110.0, 130.0], [100.0]) == 30.0
 
 
 def test_the_figure_draws_each_point_beside_the_pairs_it_saw():

@@ -60,6 +60,10 @@ def test_settings_key_follows_weights_and_settings(make_tiny):
         p.grad = torch.ones_like(p)
     torch.optim.SGD(emb.parameters(), lr=0.1).step()  # an in-place update: the stored weights hash is stale
     assert emb.settings_key() != key
+    key, version = emb.settings_key(), next(emb.parameters())._version
+    torch.optim.AdamW(emb.parameters(), lr=0.1, fused=True).step()  # the trainer's: it moves no version counter
+    assert next(emb.parameters())._version == version
+    assert emb.settings_key() != key
 
 
 def test_source_dir_is_a_declared_field(make_tiny, minilm_path, tmp_path):

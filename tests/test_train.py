@@ -260,6 +260,44 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, minilm_path, pairs_file, 
     assert records("ref") == records("killed")  # same losses, sources and learning rates at every step
 
 
+def test_a_bf16_moe_run_on_grouped_experts_resumes_bit_identical(tmp_path, minilm_path, pairs_file, monkeypatch):
+    """Under bf16 autocast the grouped experts run on bf16 casts of their weights, kept between the passes of a step;
+    the trainer's fused AdamW updates the weights without bumping their versions. Every step must still see the
+    weights of the step before: a run stopped after step 3 and resumed (casts made afresh from the checkpoint) equals
+    a straight run only if the straight run renewed its casts after every step."""
+    from spy import calls_of
+
+    from moembed.model.fast.experts import GroupedExperts
+    from moembed.train.loop import Trainer, train
+
+    opts = ["steps=6", "bf16=true", "checkpoint.every=3",
+            "model_config_overrides={hidden_dropout: 0.1, attention_dropout: 0.1, moe: {num_experts: 4, top_k: 2}}"]
+    grouped = calls_of(monkeypatch, torch, "_grouped_mm")
+    train(load_config(TINY / "contrastive.yaml", opts + _overrides(minilm_path, tmp_path / "ref", pairs_file[0])),
+          progress=False)
+    assert grouped  # the experts ran as grouped matmuls (bf16 casts), not as the loop
+
+    real = Trainer.train_step
+
+    def interrupted(self):
+        if self.step == 4:
+            raise KeyboardInterrupt  # step 5 never starts: the checkpoint of step 3 is the latest
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    cfg = load_config(TINY / "contrastive.yaml", opts + _overrides(minilm_path, tmp_path / "cut", pairs_file[0]))
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real)
+    built = calls_of(monkeypatch, GroupedExperts, "from_plain")
+    train(cfg, progress=False)  # resumes from step 3
+    assert built  # a new trainer, new experts, no cast kept from the interrupted run
+
+    a = load_file(str(tmp_path / "ref" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 # ---- data checked before step 1 -------------------------------------------------------------------------------
 
 

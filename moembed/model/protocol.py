@@ -106,10 +106,13 @@ def weights_key(module: nn.Module) -> str:
     """sha256 (16 hex digits) of a module's state dict, tensors in key order with their names.
 
     Hashing reads every weight, so the result is kept on the module and recomputed only when a tensor was
-    replaced or changed in place (its storage or version counter moved: an optimizer step, `load_state_dict`).
+    replaced or changed in place (its storage or version counter moved: `load_state_dict`, an in-place update) or
+    an optimizer stepped (a fused one moves neither: `moembed.model.updates`).
     """
+    from moembed.model.updates import optimizer_steps  # torch's, loaded by a caller that holds a module
+
     sd = module.state_dict()
-    stamp = tuple((k, v.data_ptr(), v._version) for k, v in sd.items())
+    stamp = (optimizer_steps(), *((k, v.data_ptr(), v._version) for k, v in sd.items()))
     cached = getattr(module, "_weights_key", None)
     if cached is not None and cached[0] == stamp:
         return cached[1]

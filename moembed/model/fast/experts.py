@@ -1,7 +1,8 @@
 """Faster ways to run an MoE block's experts, swapped in for `Experts` by a backend (`moembed.model.backends`):
 
     GroupedExperts  two grouped matmuls over all slices (`torch._grouped_mm`, a private API probed once per device
-                    and dtype by `grouped_support`); under autocast the weights are cast once per weight version.
+                    and dtype by `grouped_support`); under autocast the weights are cast once per weight version
+                    and optimizer step (`moembed.model.updates`: a fused optimizer moves no version).
                     Training and inference (the backend of training wherever torch has the kernel).
     PackedExperts   CPU inference: each expert on oneDNN-packed float32 or bf16 weights, GELU fused into fc1, on
                     slices padded to `ROW_MULTIPLE` rows, each expert's output left in its own buffer
@@ -158,8 +159,8 @@ class GroupedExperts(Experts):
         """(fc1_weight, fc2_weight, fc1_bias, fc2_bias) in `dtype`, cast once per weight version.
 
         Under autocast torch casts an nn.Linear weight once per autocast region and reuses it; `_grouped_mm` is not
-        on autocast's lists, so the experts cast by hand, and keep the cast until an optimizer step (or any in-place
-        update) bumps the weight's version. With gradient the cached copy enters the graph through `_CastOnce`,
+        on autocast's lists, so the experts cast by hand, and keep the cast until an in-place update bumps the
+        weight's version or an optimizer steps (`cached`: the trainer's fused AdamW bumps no version). With gradient the cached copy enters the graph through `_CastOnce`,
         whose backward is the cast's (the gradient back in the weight's dtype).
         """
         params = [self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias]

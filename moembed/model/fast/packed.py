@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from moembed.model.fast import swapped
 from moembed.model.linear import Linear
+from moembed.model.updates import optimizer_steps
 
 
 def inference_pass(module: nn.Module, x: torch.Tensor) -> bool:
@@ -69,8 +70,10 @@ class WeightCache(dict):
 
 
 def cached(store: WeightCache, name: str, key: tuple, make):
-    """`make()`, kept in `store` (a layer's `weight_cache`) under `name` until `key` changes. Keys hold (data_ptr,
-    _version) of the weights used, so an optimizer step, `load_state_dict` or any in-place update rebuilds it."""
+    """`make()`, kept in `store` (a layer's `weight_cache`) under `name` until `key` changes or an optimizer steps.
+    Keys hold (data_ptr, _version) of the weights used, so `load_state_dict` or any in-place update rebuilds it;
+    an optimizer's step does too, fused or not (`moembed.model.updates`)."""
+    key = (optimizer_steps(), key)
     hit = store.get(name)
     if hit is None or hit[0] != key:
         hit = store[name] = (key, make())
