@@ -15,7 +15,7 @@ from pathlib import Path
 # The figure's marker per study, twenty-one before they repeat (the last seven: six- and four-pointed stars, five-,
 # three- and eight-armed asterisks, a thin cross and a thin plus, where "8", "H" and a three-pointed star would pass
 # for "o", "h" and "^"), and colour per option
-MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x", "+"]
+MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x", "+", "8", (7, 2, 0)]
 COLOURS = [f"C{i}" for i in range(10)] + ["black", "gold", "navy", "lime", "magenta"]
 
 
