@@ -156,12 +156,13 @@ class GroupedExperts(Experts):
         return super().forward(x, counts) if y is None else y
 
     def _weights_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """(fc1_weight, fc2_weight, fc1_bias, fc2_bias) in `dtype`, cast once per weight version.
+        """(fc1_weight, fc2_weight, fc1_bias, fc2_bias) in `dtype`, cast once per weight version and optimizer step.
 
         Under autocast torch casts an nn.Linear weight once per autocast region and reuses it; `_grouped_mm` is not
         on autocast's lists, so the experts cast by hand, and keep the cast until an in-place update bumps the
-        weight's version or an optimizer steps (`cached`: the trainer's fused AdamW bumps no version). With gradient the cached copy enters the graph through `_CastOnce`,
-        whose backward is the cast's (the gradient back in the weight's dtype).
+        weight's version or an optimizer steps (`cached`: the trainer's fused AdamW bumps no version). With gradient
+        the cached copy enters the graph through `_CastOnce`, whose backward is the cast's (the gradient back in the
+        weight's dtype).
         """
         params = [self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias]
         if dtype == self.fc1_weight.dtype:
