@@ -1,5 +1,5 @@
 """The MoE-vs-dense figure: each study's gap to its dense control against the training pairs it saw, over studies
-as `moe_vs_dense.load_study` reads them ({"label", "pairs_seen", "gaps": {option: {"test": [...], "dev": [...]}}}).
+as `moe_gaps.load_study` reads them ({"label", "pairs_seen", "gaps": {option: {"test": [...], "dev": [...]}}}).
 
     python benchmarks/moe_vs_dense.py --figure docs/img/moe_vs_dense.png \
         --figure-with benchmarks/results/moe_vs_dense/*.json

@@ -1,5 +1,5 @@
 """Where an MoE option's gap to its dense control heads as training sees more pairs: a least-squares line through
-every seed's gap against log10(pairs seen), over studies as `moe_vs_dense.load_study` reads them (a study directory
+every seed's gap against log10(pairs seen), over studies as `moe_gaps.load_study` reads them (a study directory
 or a kept gaps file: {"pairs_seen": N, "gaps": {option: {"test": [...], "dev": [...]}}}).
 
     python benchmarks/moe_vs_dense.py --trend benchmarks/results/moe_vs_dense/*-english-*.json

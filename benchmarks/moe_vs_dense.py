@@ -29,28 +29,13 @@ A run stopped before its result (a killed study, a machine taken back) continues
 when the same command runs again, bit for bit as the training loop resumes; its result counts its starts and names
 each start's CPU (OUT/runs/<option>-s<seed>/starts.jsonl), and its training seconds count each step once, the time
 stopped not at all (`resumed_seconds`).
-OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per
-test set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts
-once in its group's mean and in the mean over all); pairs seen count both stages' steps × batch. OUT/gaps.json:
-what the figure plots of the study (per option the gap of each seed on the mean test score and on the dev suite,
-the pairs seen, the recipe, `--label`); benchmarks/results/moe_vs_dense/ keeps those of the studies in docs/moe.md. The
-figure also plots the studies of `--figure-with` (study directories or gaps files: other sizes, batches, recipes),
-each paired with its own control.
-
-Options (OPTIONS): dense (the control), copies (today's upcycling: 8 copies, top-2), groups (virtual groups:
-G = 4 quarter-wide slices, 2 copies, top-4: the dense model's active parameters), groups-kmeans (the same with
-routers from k-means centroids), copies-top1 (8 copies top-1, gates not renormalised: Switch routing), copies-free
-(copies with auxiliary-loss-free balancing instead of the aux loss), copies-reinit (Drop-Upcycling r = 0.5),
-groups-wide (virtual groups with 8 copies: 32 quarter-wide experts, top-4, the dense model's active parameters and
-copies' total), groups-router-lr (groups with the routers at 20 times the peak learning rate: 1e-3 at the recipes'
-5e-5, a rate for weights that start from nothing), groups-sources and groups-wide-sources (groups and groups-wide
-with routers that send each training source's tokens, in the multilingual recipe a language or language pair, to
-its own group from step 0), copies-sources (the default copies with such routers: the task gives the router no
-gradient, only the load-balancing loss moves it, so each expert's gradient comes from its sources' tokens),
-copies-noise (the copies with Gaussian noise of 0.1 times each weight's std: experts that differ a little, so the
-router gets a gradient, while the model stays within 0.995 cosine of the dense one; a control, Komatsuzaki et al.
-2023), copies-raw-gates (copies top-2 with the top-2 probabilities as gates, not renormalised: the released
-nomic-embed-v2 layout, a dense MLP scaled by about 2/8 at step 0 that gives the router a gradient).
+OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per test
+set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts once in its
+group's mean and in the mean over all); pairs seen count both stages' steps × batch. OUT/gaps.json: what the figure
+plots of the study (per option the gap of each seed on the mean test score and on the dev suite, the pairs seen, the
+recipe, `--label`); benchmarks/results/moe_vs_dense/ keeps those of the studies in docs/moe.md. The figure also plots
+the studies of `--figure-with` (study directories or gaps files: other sizes, batches, recipes), each paired with its
+own control. The options (`--options`) are those of moe_options.py; the runs' pairing and the gaps files, moe_gaps.py.
 
 `--trend STUDIES` prints, per option measured at two or more pairs seen, the line through every seed's gap against
 log10(pairs seen) that moe_trend.py fits: its slope per tenfold pairs with a 95% interval, and where it would cross
@@ -72,27 +57,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from moe_figure import figure
-
-OPTIONS: dict[str, dict] = {
-    "dense": {},
-    "copies": {"experts": 8, "top_k": 2},
-    "groups": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4}},
-    "groups-kmeans": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "kmeans"}},
-    "copies-top1": {"experts": 8, "top_k": 1, "upcycling": {"renormalize": False}},
-    "copies-free": {"experts": 8, "top_k": 2, "upcycling": {"balance_rate": 0.001}, "train": {"aux_loss_coef": 0.0}},
-    "copies-reinit": {"experts": 8, "top_k": 2, "upcycling": {"reinit": 0.5}},
-    "groups-wide": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4}},
-    "groups-router-lr": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4}, "train": {"router_lr_scale": 20.0}},
-    "groups-sources": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
-    "groups-wide-sources": {"experts": 32, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"}},
-    "copies-sources": {"experts": 8, "top_k": 2, "upcycling": {"router_init": "sources"}},
-    "copies-noise": {"experts": 8, "top_k": 2, "upcycling": {"noise": 0.1}},
-    "copies-raw-gates": {"experts": 8, "top_k": 2, "upcycling": {"renormalize": False}},
-    "groups-sources-window": {"experts": 8, "top_k": 4, "upcycling": {"granularity": 4, "router_init": "sources"},
-                              "train": {"balance_window": 16}},
-}
-MOE_OPTIONS = [o for o in OPTIONS if o != "dense"]  # each measured against dense
-
+from moe_gaps import (
+    dump_study, load_study, mean_of, paired, paired_gaps, read_runs, saved_gaps, study_gaps, study_order)
+from moe_options import MOE_OPTIONS, OPTIONS
 
 def given(**keys) -> dict:
     """The keys the command line set (the preset keeps the others)."""
@@ -250,22 +217,6 @@ def spread(xs: list[float]) -> str:
     return f"{m:+.2f} [{min(xs):+.2f}, {max(xs):+.2f}]"
 
 
-def paired(results: list[dict], option: str) -> list[tuple[dict, dict]]:
-    """(run, dense control of the same seed) for every seed of `option` that has both."""
-    by = {(r["option"], r["seed"]): r for r in results}
-    return [(r, by[("dense", s)]) for (o, s), r in sorted(by.items()) if o == option and ("dense", s) in by]
-
-
-def paired_gaps(results: list[dict], option: str, score) -> list[float]:
-    """MoE − dense ×100 of `score(result)` per seed (the dense control's own, absolute, for option "dense")."""
-    return [100 * (score(m) - (0 if option == "dense" else score(d))) for m, d in paired(results, option)]
-
-
-def mean_of(key: str, names: list[str] | None = None):
-    """score(result): the mean of result[key] over `names` (None: all of them)."""
-    return lambda r: statistics.fmean(r[key][n] for n in (names or r[key]))
-
-
 def columns(result: dict) -> dict[str, list[str]]:
     """The table's test columns: each group of test sets (a multilingual suite), or else each test set."""
     return result.get("groups") or {t: [t] for t in sorted(result["scores"])}
@@ -295,88 +246,6 @@ def summarise(args, results: list[dict]) -> str:
                      f"{statistics.fmean(r['train_seconds'] for r, _ in runs):.0f} | "
                      f"{statistics.fmean(r['eval_seconds'] for r, _ in runs):.0f} | {grads} |")
     return "\n".join(lines)
-
-
-def study_gaps(results: list[dict], label: str, preset: str | None = None) -> dict:
-    """What the figure plots of one study: per MoE option its gap to the dense control of the same seed (×100),
-    seed by seed to 1e-4 of a point, on the mean over the test sets ("test") and over the dev suite ("dev"), at
-    its pairs seen, and its recipe: the one its runs record (`preset` for runs that record none)."""
-    seen = sorted({r["pairs_seen"] for r in results})
-    if len(seen) != 1:
-        raise SystemExit(f"{label}: " + (f"its runs saw {seen} pairs; a study's runs all see the same" if seen else
-                                         "no runs (runs/*/result.json)"))
-    recipes = sorted({r["preset"] for r in results if "preset" in r})
-    if len(recipes) > 1:
-        raise SystemExit(f"{label}: its runs come from the recipes {recipes}; a study's runs all follow one")
-    preset = recipes[0] if recipes else preset
-    gaps = {o: {k: [round(g, 4) for g in paired_gaps(results, o, mean_of(key))]
-                for k, key in (("test", "scores"), ("dev", "suite"))}
-            for o in MOE_OPTIONS if paired(results, o)}
-    return {"label": label, **({"preset": preset} if preset else {}), "pairs_seen": seen[0], "gaps": gaps}
-
-
-def dump_study(study: dict) -> str:
-    """A gaps file's text: one line per option."""
-    head = [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in study.items() if k != "gaps"]
-    rows = [f"  {json.dumps(o)}: {json.dumps(g)}" for o, g in study["gaps"].items()]
-    return "{\n" + "\n".join(head) + '\n "gaps": {\n' + ",\n".join(rows) + "\n }\n}\n"
-
-
-def read_runs(study: Path) -> list[dict]:
-    """The result.json of every run of a study directory."""
-    return [json.loads(f.read_text()) for f in sorted((study / "runs").glob("*/result.json"))]
-
-
-def saved_gaps(study: Path) -> dict:
-    """A study directory's gaps.json as its last summary wrote it ({} before the first): the label (`--label`) and
-    the recipe it was summarised with."""
-    saved = study / "gaps.json"
-    return json.loads(saved.read_text()) if saved.exists() else {}
-
-
-def load_study(path: Path) -> dict:
-    """A study for the figure: a study directory (its runs) or a gaps file, checked: a bad one is refused naming
-    the file and the key."""
-    from moembed.recipes.config import RECIPE_PRESETS
-
-    if path.is_dir():
-        saved = saved_gaps(path)
-        return study_gaps(read_runs(path), saved.get("label", path.name), saved.get("preset"))
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{path}: not a study directory or a gaps file ({e})") from None
-
-    def bad(key: str, what: str):
-        raise SystemExit(f"{path}: {key}: {what}")
-
-    if not isinstance(doc, dict) or set(doc) - {"label", "preset", "pairs_seen", "gaps", "source"}:
-        bad("(top level)", "an object with label, pairs_seen, gaps and optionally preset and source")
-    if not isinstance(doc.get("label"), str) or not doc["label"]:
-        bad("label", "the study's name in the figure, a string")
-    if "preset" in doc and doc["preset"] not in RECIPE_PRESETS:
-        bad("preset", f"the study's recipe, one of {', '.join(RECIPE_PRESETS)}")
-    if not isinstance(doc.get("pairs_seen"), int) or doc["pairs_seen"] < 1:
-        bad("pairs_seen", "training pairs seen, a positive integer")
-    if not isinstance(doc.get("gaps"), dict) or not doc["gaps"]:
-        bad("gaps", "an object of options, each {\"test\": [...], \"dev\": [...]}")
-    for option, per in doc["gaps"].items():
-        if option not in MOE_OPTIONS:
-            bad(f"gaps.{option}", f"not an MoE option ({', '.join(MOE_OPTIONS)})")
-        if not isinstance(per, dict) or set(per) != {"test", "dev"}:
-            bad(f"gaps.{option}", "an object with test and dev")
-        for key, xs in per.items():
-            if not isinstance(xs, list) or not xs or not all(isinstance(x, (int, float)) for x in xs):
-                bad(f"gaps.{option}.{key}", "a non-empty list of numbers, one gap per seed")
-    return doc
-
-
-def study_order(path: Path) -> list:
-    """Sort key of a study's file or directory that reads the numbers in its name as numbers: the kept studies
-    1-english…, 2-english…, …, 10-english… in the order they are numbered, not the shell's 1, 10, 11, 2."""
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", Path(path).name)]
 
 
 def main() -> None:
