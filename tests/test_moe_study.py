@@ -16,9 +16,9 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from moe_figure import COLOURS, MARKERS, figure, side_by_side  # noqa: E402
-from moe_trend import trend  # noqa: E402
 from moe_gaps import dump_study, load_study, study_gaps  # noqa: E402
 from moe_options import MOE_OPTIONS  # noqa: E402
+from moe_trend import trend  # noqa: E402
 from moe_vs_dense import config, main, resumed_seconds, summarise  # noqa: E402
 
 from moembed.recipes.report_text import group_members  # noqa: E402
