@@ -61,6 +61,7 @@ from moe_gaps import (
     dump_study, load_study, mean_of, paired, paired_gaps, read_runs, saved_gaps, study_gaps, study_order)
 from moe_options import MOE_OPTIONS, OPTIONS
 
+
 def given(**keys) -> dict:
     """The keys the command line set (the preset keeps the others)."""
     return {k: v for k, v in keys.items() if v}
