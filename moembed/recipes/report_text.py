@@ -51,8 +51,8 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "+0.60) and -0.27 over four times the steps (dev suite +0.06), 3 seeds each; groups with the four times "
        "larger pool over six times the steps gave -0.47 (dev suite -0.26), routers by language -0.43 (dev suite "
        "-0.44) and with the window -0.28 (dev suite -0.22), 3 seeds each; fitted against the pairs seen, no "
-       "option's gap closes; but all these bf16 runs trained the experts on a cast of their first weights (fixed "
-       "since), and run again with the fix routers by language with the window gave -0.10 (dev suite +0.46), and "
+       "option's gap closes beyond its noise; but all these bf16 runs trained the experts on a cast of their first "
+       "weights (fixed since), and run again with the fix routers by language with the window gave -0.10 (dev suite +0.46), and "
        "-0.07 (dev suite +0.18) with the four times larger pool over six times the steps, 3 seeds each, and -0.04 "
        "(dev suite +0.30, 2 seeds) with that pool seen whole"),
 }
