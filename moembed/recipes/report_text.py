@@ -27,9 +27,9 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
         "copies (8 experts, top-2)": (-0.01, -0.06, 0.04, 2),
         "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.14, -0.28, 0.00, 2),
     }, "with 29k and 133k pairs (batch 256 and 1024, on a GPU) the gap stayed negative, -0.2 to -0.4 in-domain and "
-       "-0.9 to -2.4 on the dev suite, and fitted against the pairs seen it widens; "
-       "at the default scale on an AMX Xeon in bf16, copies gave -0.04 (dev suite -0.47), eight virtual groups (32 "
-       "experts, top-4) +0.04 (dev suite -0.29) and routers trained at 20 times the learning rate -0.65 (dev suite "
+       "-0.9 to -2.4 on the dev suite, and fitted against the pairs seen it widens; at the default scale on an AMX "
+       "Xeon in bf16, copies gave -0.04 (dev suite -0.47), eight virtual groups (32 experts, top-4) +0.04 (dev "
+       "suite -0.29) and routers trained at 20 times the learning rate -0.65 (dev suite "
        "-0.98), two groups whose routers start by source (upcycling.router_init: sources) -0.17 (dev suite -0.44), 3 "
        "seeds each; but all these bf16 runs trained the experts on a cast of their first weights (fixed since), and "
        "run again with the fix on a Zen 4 EPYC copies gave +0.01 (dev suite +0.23), groups -0.15 (dev suite +0.26), "
@@ -53,9 +53,9 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "larger pool over six times the steps gave -0.47 (dev suite -0.26), routers by language -0.43 (dev suite "
        "-0.44) and with the window -0.28 (dev suite -0.22), 3 seeds each; fitted against the pairs seen, no "
        "option's gap closes beyond its noise; but all these bf16 runs trained the experts on a cast of their first "
-       "weights (fixed since), and run again with the fix routers by language with the window gave -0.10 (dev suite +0.46), and "
-       "-0.07 (dev suite +0.18) with the four times larger pool over six times the steps, 3 seeds each, and -0.04 "
-       "(dev suite +0.30, 2 seeds) with that pool seen whole"),
+       "weights (fixed since), and run again with the fix routers by language with the window gave -0.10 (dev "
+       "suite +0.46), and -0.07 (dev suite +0.18) with the four times larger pool over six times the steps, 3 seeds "
+       "each, and -0.04 (dev suite +0.30, 2 seeds) with that pool seen whole"),
 }
 
 
