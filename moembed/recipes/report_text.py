@@ -34,10 +34,10 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "seeds each; but all these bf16 runs trained the experts on a cast of their first weights (fixed since), and "
        "run again with the fix on a Zen 4 EPYC copies gave +0.01 (dev suite +0.23), groups -0.15 (dev suite +0.26), "
        "routers by source -0.07 (dev suite +0.08) and with the load balanced over 16 steps -0.25 (dev suite +0.13), 3 "
-       "seeds each, and with 29k pairs at batch 256 copies gave -0.01 (dev suite +0.43, 2 seeds) and groups -0.12 "
-       "(dev suite +0.04, 3 seeds), where the GPU's runs had -0.21 and -0.26 (dev suite -1.00 and -0.88), and at four "
-       "times the batch on the default pool (128 × 30) copies gave +0.11 and groups -0.12 (dev suite +0.17 and +0.22, 3 "
-       "seeds each): fitted on the copies without the defect the gap is flat in pairs seen"),
+       "seeds each, and with 29k pairs at batch 256 copies gave -0.03 and groups -0.12 (dev suite +0.23 and +0.04, 3 "
+       "seeds each), where the GPU's runs had -0.21 and -0.26 (dev suite -1.00 and -0.88), and at four times the "
+       "batch on the default pool (128 × 30) copies gave +0.11 and groups -0.12 (dev suite +0.17 and +0.22, 3 seeds "
+       "each): fitted on the copies without the defect the gap is flat in pairs seen"),
     "multilingual": ("--size small, 30 pretraining steps × batch 64, then 60 × 32", {
         "copies (8 experts, top-2)": (-0.00, -0.02, 0.01, 2),
         "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.08, -0.24, 0.07, 2),
