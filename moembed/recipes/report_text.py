@@ -63,7 +63,7 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "copies +0.00 (dev suite +0.06), 3 seeds each, and at the default scale copies gave +0.08 (dev suite +0.16, "
        "ahead on every seed by 0.01 to 0.19), groups -0.06 (dev suite +0.36), eight groups -0.58 (dev suite +0.19) "
        "and noisy copies -0.05 (dev suite +0.03), 3 seeds each: the copies lead their control there, by less than a "
-       "fifth of a point, and over four times the steps by +0.05 (dev suite +0.12, 3 seeds)"),
+       "fifth of a point, and over four times the steps tie it, +0.05 (dev suite +0.12, 3 seeds)"),
 }
 
 
