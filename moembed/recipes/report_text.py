@@ -63,7 +63,8 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], s
        "copies +0.00 (dev suite +0.06), 3 seeds each, and at the default scale copies gave +0.08 (dev suite +0.16, "
        "ahead on every seed by 0.01 to 0.19), groups -0.06 (dev suite +0.36), groups whose routers start by language "
        "+0.11 (dev suite +0.27) and copies with such routers -0.09 (dev suite -0.59), eight groups -0.58 (dev suite "
-       "+0.19) and noisy copies -0.05 (dev suite +0.03), 3 seeds each: the copies lead their control there, by less "
+       "+0.19), eight groups whose routers start by language -0.52 (dev suite -0.72), noisy copies -0.05 (dev suite "
+       "+0.03) and raw gates -1.56 (dev suite -0.10), 3 seeds each: the copies lead their control there, by less "
        "than a fifth of a point (groups with routers by language by as much, within the seeds' spread), and over "
        "four times the steps tie it, +0.05 (dev suite +0.12, 3 seeds), where groups fall behind, -0.39 (dev suite "
        "-0.09, 3 seeds), and routers by language too, -0.24 (dev suite -0.21, 2 seeds)"),
