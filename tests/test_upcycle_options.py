@@ -404,8 +404,10 @@ def test_report_warning_quotes_the_measured_gap_of_its_preset(preset):
     assert "1,000,000" not in warning  # no generic scale line: the measured gaps instead
     at, gaps, beyond = MEASURED_GAP[preset]
     assert f"default scale ({at})" in warning and beyond in warning
-    for name, (mean, lo, hi, seeds) in gaps.items():
-        assert f"{name}: {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] over {seeds} seed" in warning
+    for name, gap in gaps.items():
+        (m, lo, hi), (dm, dlo, dhi) = gap.test, gap.dev
+        quoted = f"{name} {m:+.2f} [{lo:+.2f}, {hi:+.2f}] / {dm:+.2f} [{dlo:+.2f}, {dhi:+.2f}] over {gap.seeds} seeds"
+        assert quoted in warning
     other = MEASURED_GAP["multilingual" if preset == "english" else "english"][0]
     assert other not in warning  # the other recipe's scale is not quoted
 

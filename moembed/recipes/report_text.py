@@ -8,7 +8,7 @@ the model card state them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from moembed.recipes.context import RecipeContext
@@ -18,66 +18,53 @@ if TYPE_CHECKING:
 # contrastive pairs ("MoE models tend to underperform dense models under limited training regimes").
 MOE_DATA_SCALE = 1_000_000
 
-# What benchmarks/moe_vs_dense.py measured at each preset's default scale (BENCHMARKS.md and docs/moe.md, "MoE vs
-# dense"): the scale, then per upcycling the MoE − dense control gap, mean nDCG@10 ×100 over the held-out test sets
-# (mean over seeds, min, max, seeds), the dense model and each MoE trained on the same data, steps and batches;
-# then what larger scales showed, where they were measured.
-MEASURED_GAP: dict[str, tuple[str, dict[str, tuple[float, float, float, int]], str]] = {
-    "english": ("--size small, 120 steps × batch 32", {
-        "copies (8 experts, top-2)": (-0.01, -0.06, 0.04, 2),
-        "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.14, -0.28, 0.00, 2),
-    }, "with 29k and 133k pairs (batch 256 and 1024, on a GPU) the gap stayed negative, -0.2 to -0.4 in-domain and "
-       "-0.9 to -2.4 on the dev suite, and fitted against the pairs seen it widens; at the default scale on an AMX "
-       "Xeon in bf16, copies gave -0.04 (dev suite -0.47), eight virtual groups (32 experts, top-4) +0.04 (dev "
-       "suite -0.29) and routers trained at 20 times the learning rate -0.65 (dev suite "
-       "-0.98), two groups whose routers start by source (upcycling.router_init: sources) -0.17 (dev suite -0.44), 3 "
-       "seeds each; but all these bf16 runs trained the experts on a cast of their first weights (fixed since), and "
-       "run again with the fix on a Zen 4 EPYC copies gave +0.01 (dev suite +0.23), groups -0.15 (dev suite +0.26), "
-       "routers by source -0.07 (dev suite +0.08) and with the load balanced over 16 steps -0.25 (dev suite +0.13), "
-       "eight groups +0.01 (dev suite -0.46) and routers at 20 times the learning rate -0.87 (dev suite -1.10), 3 "
-       "seeds each, and with 29k pairs at batch 256 copies gave -0.03 and groups -0.12 (dev suite +0.23 and +0.04, 3 "
-       "seeds each), where the GPU's runs had -0.21 and -0.26 (dev suite -1.00 and -0.88), and at four times the "
-       "batch on the default pool (128 × 30) copies gave +0.11 and groups -0.12 (dev suite +0.17 and +0.22, 3 seeds "
-       "each): fitted on the copies without the defect the gap is flat in pairs seen"),
-    "multilingual": ("--size small, 30 pretraining steps × batch 64, then 60 × 32", {
-        "copies (8 experts, top-2)": (-0.00, -0.02, 0.01, 2),
-        "virtual groups (G = 4, 8 experts, top-4, the dense model's active parameters)": (-0.08, -0.24, 0.07, 2),
-    }, "on the English dev suite +0.2 and +0.4, within a point (AVX2, float32); on an AMX Xeon in bf16 groups gave "
-       "-0.49 over 3 seeds, and with the batches doubled (the same pairs seen) every option fell behind on every seed, "
-       "-0.51 to -0.55 (dev suite -0.14 to -0.39); with four times the steps (the pools seen once) groups gave -0.50 "
-       "(dev suite -0.19, 3 seeds), and with a four times larger pool (--size medium) at the default steps -0.50 "
-       "(dev suite +0.25, 3 seeds); eight virtual groups (32 experts, top-4) at the default scale gave -0.72 (dev suite "
-       "-0.11, 3 seeds), and two groups whose routers start by language (upcycling.router_init: sources) -0.17 (dev "
-       "suite +0.39, 3 seeds; with the four times larger pool -0.28, dev suite +0.15), still behind on every "
-       "seed; copies gave -0.56 there, with routers by language or without (dev suite -0.46 and +0.04, 3 seeds); on a "
-       "Zen 4 EPYC in bf16 routers by language gave -0.14 (dev suite +0.41), -0.41 over four times the steps (dev "
-       "suite -0.26), and, with the load balanced over the last 16 steps (train.balance_window), -0.26 (dev suite "
-       "+0.60) and -0.27 over four times the steps (dev suite +0.06), 3 seeds each; groups with the four times "
-       "larger pool over six times the steps gave -0.47 (dev suite -0.26), routers by language -0.43 (dev suite "
-       "-0.44) and with the window -0.28 (dev suite -0.22), 3 seeds each; fitted against the pairs seen, no "
-       "option's gap closes beyond its noise; but all these bf16 runs trained the experts on a cast of their first "
-       "weights (fixed since), and run again with the fix routers by language with the window gave -0.10 (dev "
-       "suite +0.46), and -0.07 (dev suite +0.18) with the four times larger pool over six times the steps, 3 seeds "
-       "each, and -0.04 (dev suite +0.30, 2 seeds) with that pool seen whole; with the batches doubled groups gave "
-       "-0.38 (dev suite +0.11) and routers by language with the window -0.24 (dev suite +0.55) and "
-       "copies +0.00 (dev suite +0.06), 3 seeds each, and at the default scale copies gave +0.08 (dev suite +0.16, "
-       "ahead on every seed by 0.01 to 0.19), groups -0.06 (dev suite +0.36), groups whose routers start by language "
-       "+0.11 (dev suite +0.27) and copies with such routers -0.09 (dev suite -0.59), eight groups -0.58 (dev suite "
-       "+0.19), eight groups whose routers start by language -0.52 (dev suite -0.72), noisy copies -0.05 (dev suite "
-       "+0.03) and raw gates -1.56 (dev suite -0.10), 3 seeds each: the copies lead their control there, by less "
-       "than a fifth of a point (groups with routers by language by as much, within the seeds' spread), and over "
-       "four times the steps tie it, +0.05 (dev suite +0.12, 3 seeds), where groups fall behind, -0.39 (dev suite "
-       "-0.09, 3 seeds), and routers by language too, -0.24 (dev suite -0.01, 3 seeds)"),
+
+class Gap(NamedTuple):
+    """One upcycling's MoE − dense gap, nDCG@10 ×100: mean, min and max over seeds."""
+
+    test: tuple[float, float, float]  # the recipe's held-out test sets (mean over sets)
+    dev: tuple[float, float, float]  # the built-in dev suite: tasks outside the training domains
+    seeds: int
+
+
+# What benchmarks/moe_vs_dense.py measured for each preset's recipe (docs/moe.md, "MoE vs dense", the table of runs
+# with the experts' casts renewed every step; BENCHMARKS.md): the default scale and the machine, the gap of the
+# default upcycling and of its two alternatives at the dense model's active parameters there, each trained on the
+# same data, steps and batches as its dense control; then, in words, the other options and the larger scales.
+MEASURED_GAP: dict[str, tuple[str, dict[str, Gap], str]] = {
+    "english": ("--size small, 120 steps × batch 32; Zen 4 EPYC, bf16", {
+        "copies (8 experts, top-2, the default)": Gap((0.01, -0.02, 0.02), (0.23, 0.06, 0.35), 3),
+        "virtual groups (G = 4, 8 experts, top-4)": Gap((-0.15, -0.28, -0.06), (0.26, 0.09, 0.38), 3),
+        "virtual groups with routers by source (upcycling.router_init: sources)":
+            Gap((-0.07, -0.23, 0.05), (0.08, -0.07, 0.18), 3),
+    }, "the other options there tie or trail (eight groups +0.01, raw gates -1.15); with four times the batch "
+       "(128 × 30) copies gave +0.11 and groups -0.12 (dev suite +0.17 and +0.22), with 29k pairs at batch 256 "
+       "-0.03 and -0.12 (dev suite +0.23 and +0.04), 3 seeds each: fitted against the pairs seen the copies' gap is "
+       "flat, and no option measured leads its control by a point"),
+    "multilingual": ("--size small, 30 pretraining steps × batch 64, then 60 × 32; Zen 4 EPYC, bf16", {
+        "copies (8 experts, top-2, the default)": Gap((0.08, 0.01, 0.19), (0.16, 0.01, 0.37), 3),
+        "virtual groups (G = 4, 8 experts, top-4)": Gap((-0.06, -0.16, 0.08), (0.36, 0.25, 0.45), 3),
+        "virtual groups with routers by language (upcycling.router_init: sources)":
+            Gap((0.11, -0.00, 0.22), (0.27, -0.07, 0.59), 3),
+    }, "the other options there trail (eight groups -0.58, raw gates -1.56); over four times the steps (15,360 "
+       "pairs) copies gave +0.05, groups -0.39 and routers by language -0.24 (dev suite +0.12, -0.09 and -0.01), "
+       "3 seeds each, and with a four times larger pool, the load balanced over 16 steps, routers by language "
+       "-0.07 over six times the steps and -0.04 over the pool seen whole (dev suite +0.18 and +0.30; 3 and 2 "
+       "seeds): fitted against the pairs seen no option's gap closes beyond its noise"),
 }
+
+
+def _spread(m: float, lo: float, hi: float) -> str:
+    return f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
 def measured_gap(preset: str) -> str:
     """The measured MoE − dense gaps of `preset`'s recipe in words, for the report's verdict and warning."""
     at, gaps, beyond = MEASURED_GAP[preset]
-    parts = [f"{name}: {m:+.2f} [{lo:+.2f}, {hi:+.2f}] over {n} seed{'s' * (n > 1)}"
-             for name, (m, lo, hi, n) in gaps.items()]
-    return (f"At this recipe's default scale ({at}) benchmarks/moe_vs_dense.py measured MoE − dense nDCG@10 ×100 "
-            f"of {'; '.join(parts)}; {beyond} (docs/moe.md, \"MoE vs dense\").")
+    parts = [f"{name} {_spread(*g.test)} / {_spread(*g.dev)} over {g.seeds} seeds" for name, g in gaps.items()]
+    return (f"At this recipe's default scale ({at}) benchmarks/moe_vs_dense.py measured MoE − dense nDCG@10 ×100 on "
+            f"the held-out test sets / the dev suite, mean [min, max] over seeds: {'; '.join(parts)}; {beyond} "
+            "(docs/moe.md, \"MoE vs dense\").")
 
 
 def base_label(ctx: RecipeContext) -> str:
@@ -109,9 +96,10 @@ def decisions(ctx: RecipeContext, stages: dict) -> dict:
     if trained < MOE_DATA_SCALE:
         out["warning"] = (
             f"the data is too small for the MoE to be expected to help: {trained:,} training pairs "
-            f"({seen:,} examples seen in {t.steps} steps). {measured_gap(c.preset)} nomic-embed-v2-moe §7.2 saw an "
-            "MoE model underperform its dense counterpart even with 100M contrastive pairs: MoE needs data scale. At "
-            "this scale the dense model is the safer choice.")
+            f"({seen:,} examples seen in {t.steps} steps). {measured_gap(c.preset)} "
+            "nomic-embed-v2-moe §7.2 saw an MoE model underperform its dense counterpart even with 100M contrastive "
+            "pairs: MoE needs data scale. At this scale the dense model, as good and faster to encode, is the safer "
+            "choice.")
     return out
 
 
