@@ -398,9 +398,15 @@ def test_report_warning_quotes_the_measured_gap_of_its_preset(preset):
 
     assert set(MEASURED_GAP) == set(RECIPE_PRESETS)  # every recipe has its measured gap
     qs = SimpleNamespace(cfg=load_quickstart_config(None, preset))
-    stages = {"curate": {"train_sources": {"news": 1200}}}
-    warning = decisions(qs, stages)["warning"]
+    curate = {"train_sources": {"news": 1200}}
+    if qs.cfg.pretrain:
+        curate["pretrain_sources"] = {"news": 1500}
+    warning = decisions(qs, {"curate": curate})["warning"]
     assert "1,200 training pairs" in warning and "benchmarks/moe_vs_dense.py" in warning
+    # examples seen count both stages (30 × 64 + 60 × 32 in the multilingual recipe), as the study's pairs seen do
+    assert {"english": "1,200 training pairs (3,840 examples seen in 120 steps)",
+            "multilingual": "1,200 training pairs (1,500 in the pretraining pool; 3,840 examples seen in 30 pretraining "
+                            "and 60 finetuning steps)"}[preset] in warning
     assert "1,000,000" not in warning  # no generic scale line: the measured gaps instead
     at, gaps, beyond = MEASURED_GAP[preset]
     assert f"default scale ({at})" in warning and beyond in warning

@@ -77,7 +77,10 @@ def decisions(ctx: RecipeContext, stages: dict) -> dict:
     user = data.get("user")
     sources = (curate.get("filter") or {}).get("sources", {})
     trained = sum(curate.get("train_sources", {}).values())
-    seen = t.steps * t.batch_size
+    pretrained = sum((curate.get("pretrain_sources") or {}).values())  # the larger, looser pool of stage 1
+    pre = c.pretrain
+    seen = t.steps * t.batch_size + (pre.steps * pre.batch_size if pre else 0)  # both stages, as the study counts
+    steps = f"{pre.steps} pretraining and {t.steps} finetuning steps" if pre else f"{t.steps} steps"
     out = {
         "split": ({"documents": user["documents"], "pairs": user["pairs"], "duplicates_dropped": user["duplicates"]}
                   if user else {k: v for k, v in data.get("datasets", {}).items()}),
@@ -96,7 +99,8 @@ def decisions(ctx: RecipeContext, stages: dict) -> dict:
     if trained < MOE_DATA_SCALE:
         out["warning"] = (
             f"the data is too small for the MoE to be expected to help: {trained:,} training pairs "
-            f"({seen:,} examples seen in {t.steps} steps). {measured_gap(c.preset)} "
+            f"({f'{pretrained:,} in the pretraining pool; ' if pretrained else ''}{seen:,} examples seen in {steps}). "
+            f"{measured_gap(c.preset)} "
             "nomic-embed-v2-moe §7.2 saw an MoE model underperform its dense counterpart even with 100M contrastive "
             "pairs: MoE needs data scale. At this scale the dense model, as good and faster to encode, is the safer "
             "choice.")
