@@ -64,7 +64,7 @@ from moe_options import MOE_OPTIONS, OPTIONS
 
 def given(**keys) -> dict:
     """The keys the command line set (the preset keeps the others)."""
-    return {k: v for k, v in keys.items() if v}
+    return {k: v for k, v in keys.items() if v is not None}
 
 
 def config(args, option: str, seed: int):
@@ -73,7 +73,8 @@ def config(args, option: str, seed: int):
 
     doc = {"preset": args.preset, "size": args.size, "max_pairs": args.max_pairs, "seed": seed, "device": args.device,
            "eval": {"precisions": ["float32"], "suite": False},
-           "train": given(steps=args.steps, batch_size=args.batch_size, chunk_size=args.chunk_size)}
+           "train": given(steps=args.steps, batch_size=args.batch_size, warmup_steps=args.warmup_steps,
+                          chunk_size=args.chunk_size)}
     if pretrain := given(steps=args.pretrain_steps, batch_size=args.pretrain_batch_size):
         doc["pretrain"] = pretrain
     return QuickstartConfig(**merge(merge(RECIPE_PRESETS[args.preset], doc), OPTIONS[option]))
@@ -261,6 +262,8 @@ def main() -> None:
     p.add_argument("--max-pairs", type=int, default=None, help="training pairs per built-in dataset (default: by --size)")
     p.add_argument("--steps", type=int, default=None, help="finetuning steps (default: the quickstart's)")
     p.add_argument("--batch-size", type=int, default=None, help="finetuning batch (default: the quickstart's)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="finetuning warmup steps (default: the quickstart's; fewer with fewer, larger batches)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="pretraining steps (a preset with that stage)")
     p.add_argument("--pretrain-batch-size", type=int, default=None, help="pretraining batch (ditto)")
     p.add_argument("--chunk-size", type=int, default=None,

