@@ -225,7 +225,8 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
     assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
     assert cfg.train.warmup_steps == 6
     args.warmup_steps = 0  # --warmup-steps 0 is a setting, not an absent one
-    assert (config(args, "dense", 0).train.warmup_steps, config(args, "dense", 0).pretrain.warmup_steps) == (0, 3)
+    zero = config(args, "dense", 0)
+    assert (zero.train.warmup_steps, zero.pretrain.warmup_steps) == (0, 3)
     args.warmup_steps = None
     assert (cfg.train.aux_loss_coef, cfg.upcycling.balance_rate) == (0.0, 0.001)  # the option's keys on top
     cfg = config(args, "copies-sources", 0)  # the default copies, routers by source
