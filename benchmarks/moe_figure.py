@@ -12,10 +12,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-# The figure's marker per study, thirty-four before they repeat (after the fourteen letters: six-, four-, seven- and
-# eight-pointed stars and a five-pointed one upside down, five-, three-, eight-, seven- and six-armed asterisks, a thin
-# cross, a thin plus, an octagon, three-, nine-, ten- and twelve-pointed stars, a nine-armed asterisk, an eleven-pointed
-# star and a ten-armed asterisk), and colour per option
+# The figure's marker per study, all distinct: matplotlib's letters, then its (points, style, angle) tuples, style 1 a
+# star and 2 an asterisk (tests/test_moe_study.py checks there is one per kept study); and colour per option
 MARKERS = [*"osD^vPX*hp<>dH", (6, 1, 0), (4, 1, 45), (5, 2, 0), (3, 2, 0), (8, 2, 0), "x", "+", "8", (7, 2, 0),
            (7, 1, 0), (5, 1, 180), (6, 2, 0), (8, 1, 0), (3, 1, 0), (9, 1, 0), (10, 1, 0), (12, 1, 0),
            (9, 2, 0), (11, 1, 0), (10, 2, 0)]
