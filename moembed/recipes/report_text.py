@@ -40,10 +40,10 @@ MEASURED_GAP: dict[str, tuple[str, dict[str, Gap], str]] = {
             Gap((-0.07, -0.23, 0.05), (0.08, -0.07, 0.18), 3),
     }, "the other options there tie or trail (eight groups +0.01, raw gates -1.15); with four times the batch "
        "(128 × 30) copies gave +0.11 and groups -0.12 (dev suite +0.17 and +0.22), with 29k pairs at batch 256 -0.03 "
-       "and -0.12 (dev suite +0.23 and +0.04), 3 seeds each, at batch 1024 copies +0.14 and groups +0.01 (dev suite "
-       "+0.07 and -0.17, 2 seeds), and copies with 133k pairs (batch 256 × 500) +0.03 (dev suite -0.06, 2 seeds; "
-       "groups -0.10, dev suite -0.22): fitted against the pairs seen the copies' gap is flat, and no option measured "
-       "leads its control by a point"),
+       "and -0.12 (dev suite +0.23 and +0.04), 3 seeds each, at batch 1024 copies +0.13 and groups +0.01 (dev suite "
+       "+0.24 and -0.17, 3 and 2 seeds), and copies with 133k pairs (batch 256 × 500) +0.03 (dev suite -0.06, 2 "
+       "seeds; groups -0.10, dev suite -0.22): fitted against the pairs seen the copies' gap is flat, and no option "
+       "measured leads its control by a point"),
     "multilingual": ("--size small, 30 pretraining steps × batch 64, then 60 × 32; Zen 4 EPYC, bf16", {
         "copies (8 experts, top-2, the default)": Gap((0.08, 0.01, 0.19), (0.16, 0.01, 0.37), 3),
         "virtual groups (G = 4, 8 experts, top-4: the dense model's active parameters)":
