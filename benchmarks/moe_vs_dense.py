@@ -26,9 +26,10 @@ parameters, training and encoding seconds, the router's gradient norm from InfoN
 one training batch before and after training, and the diagnostics of `moembed.model.diagnostics` (divergence,
 entropy, load, mutual information between expert and training source) on a sample of training texts, and the recipe.
 A run stopped before its result (a killed study, a machine taken back) continues from its stages' last checkpoints
-(every 50 steps, or `--checkpoint-every`) when the same command runs again, bit for bit as the training loop
-resumes; its result counts its starts and names each start's CPU (OUT/runs/<option>-s<seed>/starts.jsonl), and its
-training seconds count each step once, the time stopped not at all (`resumed_seconds`).
+(the recipe's `train.checkpoint_every`, or `--checkpoint-every`) when the same command runs again, bit for bit as
+the training loop resumes; its result counts its starts and names each start's CPU
+(OUT/runs/<option>-s<seed>/starts.jsonl), and its training seconds count each step once, the time stopped not at all
+(`resumed_seconds`).
 OUT/table.md and OUT/gap_vs_pairs.png: per option the MoE − dense gap, mean and spread (min..max) over seeds, per test
 set (English) or per group of test sets (multilingual: cross-lingual, non-English, English; each set counts once in its
 group's mean and in the mean over all); pairs seen count both stages' steps × batch. OUT/gaps.json: what the figure
@@ -251,7 +252,7 @@ def summarise(args, results: list[dict]) -> str:
 
 
 def main() -> None:
-    from moembed.recipes.config import RECIPE_PRESETS
+    from moembed.recipes.config import RECIPE_PRESETS, QuickTrain
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="the study's directory (runs, table, figure, gaps)")
@@ -268,9 +269,11 @@ def main() -> None:
     p.add_argument("--pretrain-batch-size", type=int, default=None, help="pretraining batch (ditto)")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="GradCache chunk in both stages: texts per forward pass with gradient (a large batch's memory)")
+    default_every = QuickTrain.model_fields["checkpoint_every"].default
     p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="steps between checkpoints in both stages (default: the quickstart's 50); a run of a few long "
-                        "steps wants a few, so that a stopped run loses little. Saving does not change the training")
+                   help=f"steps between checkpoints in both stages (default: the quickstart's {default_every}); "
+                        "a run of a few long steps wants a few, so that a stopped run loses little. Saving does not "
+                        "change the training")
     p.add_argument("--suite-datasets", default="gcide", help="dev suite retrieval corpora, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="runs at a time, each in its own process")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / workers)")
